@@ -1,0 +1,61 @@
+"""`edgebroker`: the host command line.
+
+    edgebroker run [--board boards/host.json] [--port 1883] ...
+
+Subcommands are separate modules under edgebroker_tools.commands (see its
+docstring); this module only assembles them and turns their errors into
+one-line messages and exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final
+
+from edgebroker_tools import __version__
+from edgebroker_tools.commands import CommandError, run
+
+if TYPE_CHECKING:
+    from edgebroker_tools.commands import Subparsers
+
+#: Registration functions, one per subcommand module, in help order.
+#: Planned: config, build, flash, emulate, store, fleet.
+COMMANDS: Final[tuple[Callable[[Subparsers], None], ...]] = (run.register,)
+
+EXIT_USAGE: Final = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: global options plus every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="edgebroker",
+        description="Host tools for the edgebroker MQTT broker.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in COMMANDS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `edgebroker` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = args.handler
+    try:
+        code = handler(args)
+    except CommandError as exc:
+        print(f"edgebroker {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    if not isinstance(code, int):
+        raise TypeError(f"handler for {args.command!r} returned {code!r}, not an exit code")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

