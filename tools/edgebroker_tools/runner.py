@@ -215,6 +215,10 @@ def broker_command(
         # As on a board, the broker runs from bytecode: importing the source
         # would need the compiler's ~150 KB of heap on top (design.md).
         mpy = compile_mpy(Path(script))
+        # the modules the broker imports lazily (edgestore) go beside it
+        for sibling in sorted(Path(script).parent.glob("*.py")):
+            if sibling != Path(script):
+                compile_mpy(sibling, mpy.parent)
         rest = ["--board", str(board), "--port", str(port), "--bind", bind]
         if data_dir is not None:
             rest += ["--data-dir", str(data_dir)]
