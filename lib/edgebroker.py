@@ -856,6 +856,7 @@ class Broker:
         self.dirty = []       # connections with bytes waiting to be sent
         self.busy = []        # sessions with deliveries that can go on now
         self.deferred = []    # connections with acks waiting for commit()
+        self.sdirty = False   # the store changed since the last commit()
         self.wills = []       # [deadline, session, msg, retain] delayed wills
         self.lsock = None
         self.poller = None
@@ -1243,7 +1244,7 @@ class Broker:
         sess.subs = {}
         sess.queue = []
         sess.inflight = []
-        sess.rq = []
+        self.drop_rq(sess)
         if self.sessions.get(sess.cid) is sess:
             del self.sessions[sess.cid]
         for w in self.wills:
@@ -1387,6 +1388,12 @@ class Broker:
         return wait
 
     def retain(self, msg):
+        wait = self._retain(msg)
+        if wait:
+            self.sdirty = True
+        return wait
+
+    def _retain(self, msg):
         """Rules S1-S4 and L2-L4 of docs: store, replace or delete."""
         topic = msg[_M_TOPIC]
         if topic[:4] == "$SYS":
@@ -1560,7 +1567,7 @@ class Broker:
                 if conn.out_len() > limit:
                     break
             if not sent:
-                rq.pop(0)  # iterator exhausted
+                rq.pop(0)[0].close()  # iterator exhausted
             elif q or len(inflight) >= conn.window:
                 return
         # with rq left, delivery resumes when flush() has drained the buffer
@@ -1682,10 +1689,20 @@ class Broker:
             self.pump(sess)
 
     def live(self, it):
-        # skips retained messages whose expiry has passed (E1)
-        for m in it:
-            if not m[_M_EXP] or m[_M_EXP] > self.now_s:
-                yield m
+        # skips retained messages whose expiry has passed (E1); closes the
+        # store's iterator however it ends (MicroPython has no refcounting
+        # to do that, and the flash store defers compaction while one is open)
+        try:
+            for m in it:
+                if not m[_M_EXP] or m[_M_EXP] > self.now_s:
+                    yield m
+        finally:
+            it.close()
+
+    def drop_rq(self, sess):
+        for ent in sess.rq:
+            ent[0].close()
+        sess.rq = []
 
     def sys_iter(self, flevels):
         for t in list(self.sysret):
@@ -1759,7 +1776,7 @@ class Broker:
             return
         self.connected -= 1
         sess.conn = None
-        sess.rq = []
+        self.drop_rq(sess)
         sess.gone = self.now_s
         w = conn.will
         conn.will = None
@@ -1923,8 +1940,12 @@ class Broker:
                     self.busy = []
                     for sess in busy:
                         self.pump(sess)
+                if self.sdirty:
+                    # group commit: one per loop turn, then the acks that
+                    # waited for it (durability: never acknowledged earlier)
+                    self.sdirty = False
+                    self.store.commit()
                 if self.deferred:
-                    self.store.commit()  # group commit, then the acks (durability)
                     for conn in self.deferred:
                         d = conn.defer
                         conn.defer = None
@@ -1978,7 +1999,8 @@ class Broker:
                 q = sess.queue
                 while q and q[0][0][_M_EXP] and q[0][0][_M_EXP] <= now:
                     q.pop(0)
-        self.store.expire(now, 64)
+        if self.store.expire(now, 64) and self.store.durable:
+            self.sdirty = True
         si = self.cfg["sys_interval"]
         if si and now - self._last_sys >= si:
             self._last_sys = now
