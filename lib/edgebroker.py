@@ -802,7 +802,7 @@ class Session:
         self.subs = {}       # filter -> (options byte, subscription id)
         self.inflight = []   # [pid, msg, qos, retain, sids, released], send order
         self.queue = []      # [msg, qos, retain, sids], oldest first
-        self.rq = []         # pending retained deliveries: [iterator, opts, sid]
+        self.rq = []         # pending retained deliveries: [iterator, opts, sid, filter]
         self.in2 = {}        # inbound QoS 2 pids awaiting _PUBREL (MQTT-4.3.3-x)
         self.pid = 0
         self.expiry = 0      # Session Expiry Interval, seconds
@@ -1548,8 +1548,7 @@ class Broker:
             self.send_inflight(sess, conn, msg, qos, retain, sids)
         rq = sess.rq
         while rq and conn.out_len() <= limit and not q:
-            ent = rq[0]
-            it, opts, sid = ent
+            it, opts, sid, _f = rq[0]
             granted = opts & 3
             sent = False
             for m in it:
@@ -1684,7 +1683,9 @@ class Broker:
                 it = self.sys_iter(flevels)
             else:
                 it = self.store.match(flevels)
-            sess.rq.append([self.live(it), opts, sid])
+            # a repeated filter restarts its delivery (D5): no duplicates
+            self.drop_rq(sess, filt)
+            sess.rq.append([self.live(it), opts, sid, filt])
         if todo:
             self.pump(sess)
 
@@ -1699,10 +1700,15 @@ class Broker:
         finally:
             it.close()
 
-    def drop_rq(self, sess):
+    def drop_rq(self, sess, filt=None):
+        """Ends pending retained deliveries: all of them, or one filter's."""
+        keep = []
         for ent in sess.rq:
-            ent[0].close()
-        sess.rq = []
+            if filt is None or ent[3] == filt:
+                ent[0].close()
+            else:
+                keep.append(ent)
+        sess.rq = keep
 
     def sys_iter(self, flevels):
         for t in list(self.sysret):
@@ -1725,6 +1731,8 @@ class Broker:
             filt, i = read_str(b, i, end)
             if sess.subs.pop(filt, None) is not None:
                 self.tree.remove(filt, sess)
+                # MQTT-3.10.4-2: no new messages for it, retained included
+                self.drop_rq(sess, filt)
                 codes.append(_RC_SUCCESS)
             else:
                 codes.append(_RC_NO_SUBSCRIPTION)
@@ -1776,7 +1784,8 @@ class Broker:
             return
         self.connected -= 1
         sess.conn = None
-        self.drop_rq(sess)
+        # a persistent session keeps its pending retained deliveries: they
+        # go on when it reconnects (D1, D9); end_session() drops them
         sess.gone = self.now_s
         w = conn.will
         conn.will = None
