@@ -6,7 +6,7 @@ PORT   ?= 1883
 INTERP ?= cpython
 VENV   := .venv
 
-.PHONY: venv run test bench lint clean
+.PHONY: venv run test bench lint clean measure-memory board-reference
 
 venv:  ## .venv with pinned deps + editable tools, mosquitto (no-op when done)
 	bash tools/setup.sh
@@ -19,6 +19,19 @@ test: venv  ## host tests, both interpreters (fails on "no tests collected" too)
 
 bench: venv  ## benchmarks
 	$(VENV)/bin/python -m edgebroker_tools.bench
+
+measure-memory: venv  ## heap costs under the MicroPython unix port -> boards/memory_costs.json
+	$(VENV)/bin/python -m edgebroker_tools.measure
+
+board-reference: venv  ## docs/board-reference.md from boards/schema.json (a test checks it)
+	$(VENV)/bin/edgebroker config reference
+
+.PHONY: build flash
+build: venv  ## dist/<board>/: .mpy, boot.py, main.py, board.json (+ ROMFS image), size report: make build BOARD=esp32
+	$(VENV)/bin/edgebroker build $(BOARD)
+
+flash: venv  ## build if stale, copy, verify by hash, soft-reset: make flash BOARD=esp32 PORT=/dev/ttyUSB0
+	$(VENV)/bin/edgebroker flash $(BOARD) --port $(PORT)
 
 lint: venv  ## ruff + mypy --strict over tools/
 	$(VENV)/bin/ruff check tools && $(VENV)/bin/ruff format --check tools && $(VENV)/bin/mypy --strict tools

@@ -1,7 +1,8 @@
-"""Unit tests of codec, topic tree and RAM store: the portable module
-host_tests/portable/unit_codec.py runs here under CPython (each function a
-pytest test) and, in test_portable_units_under_micropython, under the
-MicroPython unix port through a tiny runner."""
+"""Unit tests of codec, topic tree, RAM store and flash store: the portable
+modules host_tests/portable/unit_codec.py and unit_store.py run here under
+CPython (each function a pytest test) and, in
+test_portable_units_under_micropython, under the MicroPython unix port
+through a tiny runner."""
 
 import subprocess
 import sys
@@ -14,13 +15,19 @@ sys.path.insert(0, str(REPO / "lib"))
 sys.path.insert(0, str(REPO / "host_tests" / "portable"))
 
 import unit_codec  # noqa: E402
+import unit_store  # noqa: E402
 
-PORTABLE = ["unit_codec"]
+PORTABLE = ["unit_codec", "unit_store"]
 
 
 @pytest.mark.parametrize("name", sorted(n for n in dir(unit_codec) if n.startswith("test_")))
 def test_cpython(name):
     getattr(unit_codec, name)()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in dir(unit_store) if n.startswith("test_")))
+def test_store_cpython(name):
+    getattr(unit_store, name)()
 
 
 def test_portable_units_under_micropython():

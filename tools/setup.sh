@@ -4,6 +4,9 @@
 #   1. .venv with python3 (>= 3.11), the pinned requirements.txt and the
 #      editable edgebroker-tools package (pip install -e . --no-deps).
 #      Skipped when .venv's stamp matches requirements.txt + pyproject.toml.
+#      Also the MicroPython type stubs for firmware/ (mypy in host_tests/test_firmware.py):
+#      one folder per port, .venv/stubs/<port>, from tools/firmware_typecheck/<port>.txt
+#      with pip --target (the port packages cannot share one site-packages).
 #   2. mosquitto (reference broker) and mosquitto_pub/mosquitto_sub (a real C
 #      client) for the tests. As root on Debian/Ubuntu they are installed with
 #      apt-get; a mosquitto service the install starts is stopped and disabled
@@ -40,7 +43,7 @@ python_ok() {
 
 # Key of what the venv was built from; the stamp holds the last successful one.
 setup_key() {
-    "$VPY" - "$ROOT/requirements.txt" "$ROOT/pyproject.toml" <<'PY'
+    "$VPY" - "$ROOT/requirements.txt" "$ROOT/pyproject.toml" "$ROOT"/tools/firmware_typecheck/*.txt <<'PY'
 import hashlib, sys
 h = hashlib.sha256(sys.version.encode())
 for name in sys.argv[1:]:
@@ -79,7 +82,8 @@ setup_venv() {
     fi
     local key
     key="$(setup_key)"
-    if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ] && [ -x "$VENV/bin/edgebroker" ]; then
+    if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ] && [ -x "$VENV/bin/edgebroker" ] \
+        && [ -f "$VENV/stubs/esp32/machine.pyi" ] && [ -f "$VENV/stubs/rp2/machine.pyi" ]; then
         return 0  # up to date: nothing to do
     fi
     rm -f "$STAMP"
@@ -87,6 +91,14 @@ setup_venv() {
     "$VPY" -m pip install --disable-pip-version-check -q -r "$ROOT/requirements.txt"
     say "installing edgebroker-tools (editable) into .venv"
     "$VPY" -m pip install --disable-pip-version-check -q --no-deps -e "$ROOT"
+    local req port
+    for req in "$ROOT"/tools/firmware_typecheck/*.txt; do
+        port="$(basename "$req" .txt)"
+        say "installing MicroPython $port stubs into .venv/stubs/$port"
+        rm -rf "$VENV/stubs/$port"
+        "$VPY" -m pip install --disable-pip-version-check -q --no-deps \
+            --target "$VENV/stubs/$port" -r "$req"
+    done
     printf '%s\n' "$key" >"$STAMP"
 }
 

@@ -1,6 +1,7 @@
 """`edgebroker`: the host command line.
 
     edgebroker run [--board boards/host.json] [--port 1883] ...
+    edgebroker store inspect FILE [--json] | edgebroker store check FILE
 
 Subcommands are separate modules under edgebroker_tools.commands (see its
 docstring); this module only assembles them and turns their errors into
@@ -15,14 +16,21 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from edgebroker_tools import __version__
-from edgebroker_tools.commands import CommandError, run
+from edgebroker_tools.commands import CommandError, build, config, emulate, flash, run, store
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
 
 #: Registration functions, one per subcommand module, in help order.
-#: Planned: config, build, flash, emulate, store, fleet.
-COMMANDS: Final[tuple[Callable[[Subparsers], None], ...]] = (run.register,)
+#: Planned: fleet.
+COMMANDS: Final[tuple[Callable[[Subparsers], None], ...]] = (
+    run.register,
+    emulate.register,
+    config.register,
+    build.register,
+    flash.register,
+    store.register,
+)
 
 EXIT_USAGE: Final = 2
 

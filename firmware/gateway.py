@@ -1,0 +1,666 @@
+# gateway: what an edgebroker board runs after boot (main.py calls main()).
+#
+# Compiled to /lib/gateway.mpy by `edgebroker build`. The only module, with
+# boot.py and main.py, that imports `machine` and `network`: the broker
+# (lib/edgebroker.py) knows nothing about the board it runs on.
+#
+# Sections:
+#   1. files and console     /board.json, /secrets.json, status lines
+#   2. clock                 wallclock() in Unix seconds, NTP
+#   3. Wi-Fi                 station with bounded exponential backoff, or access point
+#   4. watchdog              machine.WDT fed from the broker's on_tick
+#   5. safe mode             a crash counter that breaks boot loops
+#   6. the gateway           run the broker; main() wraps it all
+#
+# Boot sequence (main()):
+#   profile -> safe mode check -> crash counter + 1 -> secrets -> watchdog ->
+#   Wi-Fi (or access point) -> clock -> retained store -> broker.listen ->
+#   broker.serve(on_tick) ... after CLEAR_AFTER_S of serving: crash counter = 0.
+#
+# What happens when something is missing or fails (also in README.md,
+# "Flash a gateway"):
+#   - no /board.json or not JSON: message, the board stays at the REPL.
+#   - no /secrets.json, or no credentials for the profile's wifi_mode: message,
+#     radio off, broker NOT started, the board stays at the REPL (a broker
+#     nobody can reach, or an open access point with an anonymous broker,
+#     helps no one). Not counted as a crash.
+#   - Wi-Fi does not connect within WIFI_ATTEMPTS attempts (exponential
+#     backoff, WIFI_BASE_MS doubling up to WIFI_MAX_MS): the broker starts
+#     anyway and the station keeps reconnecting in the background.
+#   - NTP fails: the clock stays unset (wallclock() is None) and NTP is
+#     retried from on_tick with a growing interval.
+#   - an exception escapes the broker: the traceback goes to the console and
+#     to /last_crash.txt, then machine.reset() after CRASH_DELAY_MS (Ctrl-C
+#     in that window keeps the board at the REPL).
+#   - safe_mode_crashes boots in a row that never served CLEAR_AFTER_S
+#     seconds (crashes, watchdog resets, power cuts during start-up), or a
+#     /safe_mode file (edgebroker flash writes it while copying): safe mode.
+#     The broker is not started, no watchdog, the board stays at the REPL
+#     and says why. gateway.clear() (or a new `edgebroker flash`) ends it.
+#   - Ctrl-C (also mpremote connecting): the broker stops, the boot is not
+#     counted as a crash, and a running watchdog (it cannot be stopped) is
+#     fed from a timer for MAINTENANCE_S so the REPL stays usable.
+#
+# Type-checked with mypy against micropython-esp32-stubs and
+# micropython-rp2-stubs (host_tests/test_firmware.py). Annotations cost
+# nothing on the board: MicroPython's compiler ignores them.
+
+import gc
+import io
+import json
+import os
+import sys
+import time
+
+import machine
+import network
+
+try:  # only the type checker has typing; annotations are never evaluated
+    from typing import TYPE_CHECKING, Any, Callable
+except ImportError:
+    TYPE_CHECKING = False
+if TYPE_CHECKING:  # the stubs' type of time.ticks_ms() values
+    from _mpy_shed.time_mp import _TicksMs as Ticks
+
+# ---------------------------------------------------------------- 1. files and console
+PROFILE_PATH = "/board.json"
+SECRETS_PATH = "/secrets.json"
+CRASHES_PATH = "/crashes"  # boots in a row that did not serve CLEAR_AFTER_S
+SAFE_FLAG_PATH = "/safe_mode"  # present: safe mode (its text says why)
+LAST_CRASH_PATH = "/last_crash.txt"
+DATA_DIR = "/data"  # the retained store's directory
+
+CLEAR_AFTER_S = 30  # serving this long clears the crash counter
+CRASH_DELAY_MS = 2000  # pause before machine.reset() after a crash (Ctrl-C stays)
+SAFE_MODE_CRASHES = 3  # default of the profile's safe_mode_crashes (0 = off)
+MAINTENANCE_S = 600  # after Ctrl-C, a running watchdog is fed this long
+WATCHDOG_MS = 8000  # default of the profile's watchdog_ms (0 = off)
+PORT = 1883  # default of the profile's port
+BIND = "0.0.0.0"  # default of the profile's bind: every interface
+
+WIFI_ATTEMPTS = 6  # station attempts at boot before the broker starts anyway
+WIFI_BASE_MS = 1000  # first backoff delay; doubles after each failure
+WIFI_MAX_MS = 30000  # backoff cap (boot and background)
+WIFI_TIMEOUT_MS = 15000  # one attempt: association + DHCP
+WIFI_POLL_MS = 100
+
+NTP_RETRY_S = 60  # first NTP retry after a failure; doubles
+NTP_RETRY_MAX_S = 3600
+NTP_RESYNC_S = 86400  # re-sync once a day (board RTCs drift seconds a day)
+MIN_CLOCK_YEAR = 2024  # an RTC showing an earlier year was never set
+
+
+def say(text: str) -> None:
+    """One status line on the console: `edgebroker: <text>`."""
+    print("edgebroker: " + text)
+
+
+def read_json(path: str) -> "Any":
+    """The JSON value in path; None if the file is missing.
+    Raises ValueError if it is not JSON."""
+    try:
+        f = open(path)
+    except OSError:
+        return None
+    try:
+        return json.load(f)
+    finally:
+        f.close()
+
+
+def read_int(path: str) -> int:
+    """A small counter file; 0 when missing or unreadable."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or "0")
+    except (OSError, ValueError):
+        return 0
+
+
+def write_text(path: str, text: str) -> None:
+    """Write a small file whole (littlefs commits it at close)."""
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def exists(path: str) -> bool:
+    try:
+        os.stat(path)
+        return True
+    except OSError:
+        return False
+
+
+def remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def store_log(level: str, text: str) -> None:
+    """The retained store's log (opening, compaction): a console line."""
+    say(level + " " + text)
+
+
+def format_exc(e: BaseException) -> str:
+    buf = io.StringIO()
+    sys.print_exception(e, buf)
+    text: str = buf.getvalue()
+    return text
+
+
+# ---------------------------------------------------------------- 2. clock
+# The RTC counts from 2000-01-01 on ESP32 and from 1970-01-01 on the unix
+# port and RP2; time.gmtime(0) says which, so no port names are needed.
+UNIX_2000 = 946684800
+EPOCH_OFFSET = UNIX_2000 if time.gmtime(0)[0] == 2000 else 0
+
+_clock_synced = False
+
+
+def unix_seconds(board_seconds: int, epoch_offset: int = EPOCH_OFFSET) -> int:
+    """Board time.time() -> Unix seconds."""
+    return board_seconds + epoch_offset
+
+
+def wallclock() -> "int | None":
+    """Unix seconds, or None while the board's clock was never set (no NTP
+    this boot and the RTC still in its power-on year)."""
+    if not _clock_synced and time.gmtime()[0] < MIN_CLOCK_YEAR:
+        return None
+    return unix_seconds(time.time())
+
+
+def sync_clock(host: "str | None") -> bool:
+    """Set the RTC by NTP (blocks up to ntptime.timeout, 1 s). True if set."""
+    global _clock_synced
+    try:
+        import ntptime
+    except ImportError:
+        say("clock not set: this firmware has no ntptime")
+        return False
+    if host:
+        ntptime.host = host
+    try:
+        ntptime.settime()
+    except (OSError, OverflowError, IndexError, ValueError) as e:
+        say("clock not set: ntp %s failed (%r)" % (ntptime.host, e))
+        return False
+    _clock_synced = True
+    t = time.gmtime()
+    say(
+        "clock set by ntp %s: %04d-%02d-%02d %02d:%02d:%02d UTC"
+        % (ntptime.host, t[0], t[1], t[2], t[3], t[4], t[5])
+    )
+    return True
+
+
+# ---------------------------------------------------------------- 3. Wi-Fi
+def backoff_ms(failures: int, base_ms: int = WIFI_BASE_MS, max_ms: int = WIFI_MAX_MS) -> int:
+    """Delay after the n-th failure (1-based): base, 2 base, 4 base ... max."""
+    d = base_ms
+    for _ in range(failures - 1):
+        d *= 2
+        if d >= max_ms:
+            return max_ms
+    return d if d < max_ms else max_ms
+
+
+def _status_names() -> "dict[int, str]":
+    names = {}
+    for attr, text in (
+        ("STAT_WRONG_PASSWORD", "wrong password"),
+        ("STAT_NO_AP_FOUND", "no access point found"),
+        ("STAT_CONNECT_FAIL", "connection failed"),
+    ):
+        code = getattr(network, attr, None)
+        if code is not None:
+            names[code] = text
+    return names
+
+
+def wifi_attempt(
+    wlan: "network.WLAN", ssid: str, key: str, timeout_ms: int, wait: "Callable[[int], None]"
+) -> "str | None":
+    """One station attempt: None when connected, else why it failed."""
+    try:
+        wlan.disconnect()
+    except OSError:
+        pass
+    wlan.connect(ssid, key)
+    failed = _status_names()
+    waited = 0
+    while waited < timeout_ms:
+        if wlan.isconnected():
+            return None
+        st = wlan.status()
+        if st in failed:
+            return failed[st]
+        wait(WIFI_POLL_MS)
+        waited += WIFI_POLL_MS
+    return "no connection after %d ms" % timeout_ms
+
+
+def connect_wifi(
+    wlan: "network.WLAN",
+    ssid: str,
+    key: str,
+    wait: "Callable[[int], None]",
+    attempts: int = WIFI_ATTEMPTS,
+    base_ms: int = WIFI_BASE_MS,
+    max_ms: int = WIFI_MAX_MS,
+    timeout_ms: int = WIFI_TIMEOUT_MS,
+) -> bool:
+    """Bounded station connect: up to `attempts` tries with exponential
+    backoff between them. True once connected."""
+    wlan.active(True)
+    for n in range(1, attempts + 1):
+        say("wifi connecting to %r (attempt %d of %d)" % (ssid, n, attempts))
+        why = wifi_attempt(wlan, ssid, key, timeout_ms, wait)
+        if why is None:
+            say("wifi connected " + wlan.ifconfig()[0])
+            return True
+        if n < attempts:
+            d = backoff_ms(n, base_ms, max_ms)
+            say("wifi attempt %d failed (%s), retrying in %d ms" % (n, why, d))
+            wait(d)
+        else:
+            say("wifi attempt %d failed (%s)" % (n, why))
+    say(
+        "wifi not connected after %d attempts: starting the broker anyway, "
+        "reconnecting in the background" % attempts
+    )
+    return False
+
+
+class Reconnector:
+    """Background station reconnects from on_tick, never blocking: connect()
+    starts an association; the next try waits an exponentially growing
+    delay (capped at max_ms) while the link stays down."""
+
+    def __init__(
+        self,
+        wlan: "network.WLAN",
+        ssid: str,
+        key: str,
+        up: bool,
+        base_ms: int = WIFI_BASE_MS,
+        max_ms: int = WIFI_MAX_MS,
+    ) -> None:
+        self.wlan = wlan
+        self.ssid = ssid
+        self.key = key
+        self.up = up
+        self.base_ms = base_ms
+        self.max_ms = max_ms
+        self.failures = 0
+        self.next_ms = time.ticks_ms()
+
+    def poll(self, now_ms: "Ticks") -> None:
+        wlan = self.wlan
+        if wlan.isconnected():
+            if not self.up:
+                self.up = True
+                self.failures = 0
+                say("wifi connected " + wlan.ifconfig()[0])
+            return
+        if self.up:
+            self.up = False
+            self.next_ms = now_ms
+            say("wifi lost, reconnecting to %r" % self.ssid)
+        if time.ticks_diff(now_ms, self.next_ms) < 0:
+            return
+        self.failures += 1
+        self.next_ms = time.ticks_add(now_ms, backoff_ms(self.failures, self.base_ms, self.max_ms))
+        try:
+            wlan.disconnect()
+            wlan.connect(self.ssid, self.key)
+        except OSError as e:
+            say("wifi reconnect failed (%r)" % (e,))
+
+
+def wlan_interface(name: str) -> int:
+    """network.WLAN.IF_STA / IF_AP (MicroPython 1.24+), else the older
+    network.STA_IF / AP_IF."""
+    n = getattr(network.WLAN, "IF_" + name, None)
+    if n is None:
+        n = getattr(network, name + "_IF")
+    return int(n)
+
+
+def start_ap(ssid: str, key: str) -> str:
+    """Access point with WPA2 (key of 8..63 characters). Returns its address."""
+    ap = network.WLAN(wlan_interface("AP"))
+    sec = getattr(network.WLAN, "SEC_WPA2", getattr(network, "AUTH_WPA2_PSK", None))
+    if sec is None:
+        ap.config(ssid=ssid, key=key)
+    else:
+        ap.config(ssid=ssid, key=key, security=sec)
+    ap.active(True)
+    ip: str = ap.ifconfig()[0]
+    say("access point %r up, address %s" % (ssid, ip))
+    return ip
+
+
+# ---------------------------------------------------------------- 4. watchdog
+class Watchdog:
+    """machine.WDT when timeout_ms > 0, else nothing. Once started it cannot
+    be stopped (ESP32, RP2): feed() must be called more often than timeout_ms."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        self.wdt: "machine.WDT | None" = None
+        self.timeout_ms = timeout_ms
+        self.timer: "Any" = None
+        if timeout_ms > 0:
+            try:
+                self.wdt = machine.WDT(timeout=timeout_ms)
+            except (ValueError, OSError) as e:
+                say("watchdog not started (%r)" % (e,))
+                return
+            say("watchdog %d ms" % timeout_ms)
+
+    def feed(self) -> None:
+        if self.wdt is not None:
+            self.wdt.feed()
+
+    def maintenance(self, seconds: int) -> None:
+        """Feed from a timer for `seconds` (the REPL stays usable after
+        Ctrl-C), then stop feeding: the board resets into normal operation.
+        A soft reset also stops the timer, and the watchdog then fires."""
+        wdt = self.wdt
+        if wdt is None:
+            return
+        wdt.feed()  # the last feed may be most of a timeout ago
+        period = min(1000, max(self.timeout_ms // 3, 1))
+        left = [seconds * 1000 // period]
+
+        def feed(t: "Any") -> None:
+            if left[0] > 0:
+                left[0] -= 1
+                wdt.feed()
+            else:
+                t.deinit()
+
+        for tid in (-1, 0):  # a virtual timer where the port has one
+            try:
+                self.timer = machine.Timer(
+                    tid, mode=machine.Timer.PERIODIC, period=period, callback=feed
+                )
+                break
+            except (ValueError, OSError, TypeError):
+                continue
+        if self.timer is None:
+            say("watchdog %d ms still running: the board resets soon" % self.timeout_ms)
+        else:
+            say(
+                "watchdog still running: fed for %d s (maintenance), then the board resets"
+                % seconds
+            )
+
+
+# ---------------------------------------------------------------- 5. safe mode
+def safe_mode_reason(limit: int) -> "str | None":
+    """Why the broker must not start, or None."""
+    if exists(SAFE_FLAG_PATH):
+        try:
+            with open(SAFE_FLAG_PATH) as f:
+                why = f.read().strip()
+        except OSError:
+            why = ""
+        return "%s present%s" % (SAFE_FLAG_PATH, (": " + why) if why else "")
+    n = read_int(CRASHES_PATH)
+    if limit > 0 and n >= limit:
+        return (
+            "%d boots in a row ended before the broker had served %d s "
+            "(safe_mode_crashes %d)" % (n, CLEAR_AFTER_S, limit)
+        )
+    return None
+
+
+def clear() -> None:
+    """Leave safe mode: clear the crash counter and the flag. Reset next."""
+    remove(CRASHES_PATH)
+    remove(SAFE_FLAG_PATH)
+    say("safe mode cleared: press Ctrl-D (soft reset) or reset the board to start the broker")
+
+
+def record_crash(e: BaseException) -> None:
+    text = format_exc(e)
+    print(text, end="")
+    try:
+        write_text(LAST_CRASH_PATH, text[-2048:])
+    except OSError:
+        pass
+
+
+def _reset_cause() -> str:
+    try:
+        cause = machine.reset_cause()
+    except (AttributeError, OSError):
+        return "unknown"
+    for attr, name in (
+        ("PWRON_RESET", "power-on"),
+        ("HARD_RESET", "hard"),
+        ("WDT_RESET", "watchdog"),
+        ("DEEPSLEEP_RESET", "deep sleep"),
+        ("SOFT_RESET", "soft"),
+    ):
+        if getattr(machine, attr, None) == cause:
+            return name
+    return str(cause)
+
+
+# ---------------------------------------------------------------- 6. the gateway
+class Gateway:
+    """One boot's run: network, clock, store, broker. run() returns when
+    there is nothing to do (no credentials) or the broker was stopped; it
+    raises what the broker raises (main() decides what that means)."""
+
+    def __init__(
+        self,
+        profile: "dict[str, Any]",
+        secrets: "dict[str, Any] | None",
+        clear_after_s: int = CLEAR_AFTER_S,
+    ) -> None:
+        self.profile = profile
+        self.secrets = secrets
+        self.clear_after_ms = clear_after_s * 1000
+        self.wdt = Watchdog(0)
+        self.wifi: "Reconnector | None" = None
+        self.ntp = False
+        self.ntp_host: "str | None" = None
+        self.ntp_every_s = NTP_RETRY_S
+        self.ntp_next_ms = time.ticks_ms()
+        self.t0 = time.ticks_ms()
+        self.cleared = False
+
+    def wait(self, ms: int) -> None:
+        """Sleep in watchdog-sized steps, feeding it."""
+        while ms > 0:
+            step = 200 if ms > 200 else ms
+            self.wdt.feed()
+            time.sleep_ms(step)
+            ms -= step
+
+    def credentials(self, mode: str) -> "tuple[str, str] | None":
+        s = self.secrets or {}
+        if mode == "ap":
+            ssid = self.profile.get("ap_ssid") or "edgebroker"
+            key = s.get("ap_password") or ""
+            if len(key) < 8:
+                say(
+                    'no access point password: /secrets.json needs "ap_password" '
+                    '(8 to 63 characters) for wifi_mode "ap"'
+                )
+                return None
+            return ssid, key
+        ssid = s.get("wifi_ssid") or ""
+        if not ssid:
+            say('no Wi-Fi credentials: /secrets.json needs "wifi_ssid" and "wifi_password"')
+            return None
+        return ssid, s.get("wifi_password") or ""
+
+    def network_up(self) -> bool:
+        """Station or access point per wifi_mode. False: nothing to serve."""
+        mode = self.profile.get("wifi_mode") or "sta"
+        if mode != "sta" and mode != "ap":
+            say('unknown wifi_mode %r (expected "sta" or "ap")' % (mode,))
+            return False
+        if self.secrets is None:
+            say("no %s: Wi-Fi stays off and the broker is not started." % SECRETS_PATH)
+        creds = self.credentials(mode)
+        if creds is None:
+            say(
+                "copy firmware/secrets.example.json to firmware/secrets.json, fill it in, "
+                "run `edgebroker flash` again (or mpremote cp it to :/secrets.json), then reset"
+            )
+            return False
+        self.wdt = Watchdog(int(self.profile.get("watchdog_ms", WATCHDOG_MS)))
+        if mode == "ap":
+            start_ap(creds[0], creds[1])
+            return True
+        wlan = network.WLAN(wlan_interface("STA"))
+        up = connect_wifi(wlan, creds[0], creds[1], self.wait)
+        self.wifi = Reconnector(wlan, creds[0], creds[1], up)
+        self.ntp = bool(self.profile.get("ntp", True))
+        self.ntp_host = self.profile.get("ntp_host")
+        if self.ntp and up:
+            self.wdt.feed()
+            if sync_clock(self.ntp_host):
+                self.ntp_every_s = NTP_RESYNC_S
+        self.ntp_next_ms = time.ticks_add(time.ticks_ms(), self.ntp_every_s * 1000)
+        return True
+
+    def open_store(self, eb: "Any", cfg: "dict[str, Any]", clock: "Any") -> "Any":
+        """The retained store cfg["storage_type"] asks for, in DATA_DIR
+        (edgebroker.open_store); None (the broker's RAM store) if this
+        broker has no open_store."""
+        opener = getattr(eb, "open_store", None)
+        if opener is None:
+            if cfg.get("storage_type", "ram") != "ram":
+                say("retained messages kept in RAM: this broker has no open_store()")
+            return None
+        try:
+            os.mkdir(DATA_DIR)
+        except OSError:
+            pass  # exists
+        return opener(cfg, DATA_DIR, clock=clock, wallclock=wallclock, log=store_log)
+
+    def run(self) -> None:
+        if not self.network_up():
+            return
+        gc.collect()
+        import edgebroker  # here, not at the top: an import failure is a crash like any other
+
+        cfg = edgebroker.limits(self.profile)
+        users = (self.secrets or {}).get("users")
+        if users:
+            merged = dict(cfg.get("users") or {})
+            merged.update(users)
+            cfg["users"] = merged
+        # one monotonic clock for the store and the broker (expiry deadlines)
+        mono = getattr(edgebroker, "MonoClock", None)
+        clock = mono() if mono is not None else None
+        store = self.open_store(edgebroker, cfg, clock)
+        broker = edgebroker.Broker(cfg, store, clock)
+        bind = self.profile.get("bind") or BIND
+        port = int(self.profile.get("port") or PORT)
+        broker.listen(bind, port)
+        gc.collect()
+        self.t0 = time.ticks_ms()
+        print("edgebroker listening on %s:%d (%s)" % (bind, port, sys.implementation.name))
+        broker.serve(on_tick=self.tick)
+
+    def tick(self, broker: "Any") -> None:
+        """From broker.serve about once a second: watchdog, crash counter,
+        Wi-Fi, NTP. Must stay short: the broker waits for it."""
+        self.wdt.feed()
+        now = time.ticks_ms()
+        if not self.cleared and time.ticks_diff(now, self.t0) >= self.clear_after_ms:
+            self.cleared = True
+            write_text(CRASHES_PATH, "0")
+            say("up %d s: crash counter cleared" % (self.clear_after_ms // 1000))
+        wifi = self.wifi
+        if wifi is not None:
+            wifi.poll(now)
+            if self.ntp and wifi.up and time.ticks_diff(now, self.ntp_next_ms) >= 0:
+                if sync_clock(self.ntp_host):
+                    self.ntp_every_s = NTP_RESYNC_S
+                elif self.ntp_every_s < NTP_RETRY_MAX_S:
+                    self.ntp_every_s = min(self.ntp_every_s * 2, NTP_RETRY_MAX_S)
+                self.ntp_next_ms = time.ticks_add(time.ticks_ms(), self.ntp_every_s * 1000)
+
+
+def load_secrets(path: str = SECRETS_PATH) -> "dict[str, Any] | None":
+    try:
+        s = read_json(path)
+    except ValueError as e:
+        say("%s is not valid JSON (%r): ignored" % (path, e))
+        return None
+    if s is not None and not isinstance(s, dict):
+        say("%s must hold a JSON object: ignored" % path)
+        return None
+    return s
+
+
+def main(
+    profile_path: str = PROFILE_PATH,
+    secrets_path: str = SECRETS_PATH,
+    clear_after_s: int = CLEAR_AFTER_S,
+    crash_delay_ms: int = CRASH_DELAY_MS,
+) -> None:
+    """Boot the gateway (main.py). Returns to the REPL in safe mode, without
+    a profile or credentials, or after Ctrl-C; resets the board on a crash."""
+    say("boot (%s reset), %s" % (_reset_cause(), sys.version))
+    try:
+        profile = read_json(profile_path)
+    except ValueError as e:
+        profile = None
+        say("%s is not valid JSON (%r)" % (profile_path, e))
+    if not isinstance(profile, dict):
+        say(
+            "no board profile %s: run `edgebroker flash BOARD --port PORT`; "
+            "staying at the REPL" % profile_path
+        )
+        return
+    limit = profile.get("safe_mode_crashes")
+    limit = SAFE_MODE_CRASHES if limit is None else int(limit)
+    why = safe_mode_reason(limit)
+    if why is not None:
+        say("SAFE MODE: broker not started: " + why)
+        if exists(LAST_CRASH_PATH):
+            say("last crash (%s):" % LAST_CRASH_PATH)
+            try:
+                with open(LAST_CRASH_PATH) as f:
+                    print(f.read(), end="")
+            except OSError:
+                pass
+        say(
+            "staying at the REPL. Fix the cause, then `import gateway; gateway.clear()` "
+            "and reset (or run `edgebroker flash` again)"
+        )
+        return
+    before = read_int(CRASHES_PATH)
+    write_text(CRASHES_PATH, str(before + 1))
+    gw = Gateway(profile, load_secrets(secrets_path), clear_after_s)
+    try:
+        gw.run()
+    except KeyboardInterrupt:
+        if not gw.cleared:
+            write_text(CRASHES_PATH, str(before))  # a deliberate stop is not a crash
+        say("stopped by Ctrl-C; at the REPL")
+        gw.wdt.maintenance(MAINTENANCE_S)
+        return
+    except Exception as e:  # the broker crashed: record, then reset to recover
+        record_crash(e)
+        say("crashed (%r): reset in %d ms, Ctrl-C stays at the REPL" % (e, crash_delay_ms))
+        try:
+            gw.wait(crash_delay_ms)
+        except KeyboardInterrupt:
+            say("reset cancelled; at the REPL")
+            gw.wdt.maintenance(MAINTENANCE_S)
+            return
+        machine.reset()
+    if not gw.cleared:
+        write_text(CRASHES_PATH, str(before))  # nothing to serve is not a crash either

@@ -1,0 +1,273 @@
+"""Board profiles: boards/*.json against boards/schema.json and the boards'
+limits, through the real `edgebroker config` command.
+
+- every committed profile passes `config check`, and sets every key;
+- broken profiles fail (exit 1), each error naming its key and value and
+  the allowed range; all errors are listed, not just the first;
+- a profile that cannot fit the esp32 heap is refused;
+- `config show` fills in the defaults, which are the broker's own
+  (lib/edgebroker.py DEFAULTS) for every key the broker reads;
+- `config apply` merges a patch and checks the result before writing;
+- docs/board-reference.md is what `config reference` generates now.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BOARDS = REPO / "boards"
+EDGEBROKER = Path(sys.executable).parent / "edgebroker"
+SCHEMA = json.loads((BOARDS / "schema.json").read_text())
+PROPS = SCHEMA["properties"]
+PROFILES = sorted(p for p in BOARDS.glob("*.json")
+                  if p.name not in ("schema.json", "memory_costs.json", "secrets.json"))
+
+
+def config(*args, check=None):
+    r = subprocess.run([str(EDGEBROKER), "config", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    if check is not None:
+        assert r.returncode == check, (r.returncode, r.stdout, r.stderr)
+    return r
+
+
+def write(tmp_path, name, profile):
+    path = tmp_path / ("%s.json" % name)
+    path.write_text(json.dumps(profile, indent=1))
+    return path
+
+
+def esp32():
+    return json.loads((BOARDS / "esp32.json").read_text())
+
+
+def broker_defaults():
+    sys.path.insert(0, str(REPO / "lib"))
+    try:
+        import edgebroker
+    finally:
+        sys.path.pop(0)
+    return edgebroker.DEFAULTS
+
+
+# ----------------------------------------------------------------- schema
+def test_schema_is_draft_2020_12_and_documents_every_key():
+    assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert SCHEMA["type"] == "object" and SCHEMA["additionalProperties"] is False
+    for key, sub in PROPS.items():
+        for field in ("type", "default", "description", "x-unit", "x-consequence", "x-group"):
+            assert field in sub and sub[field] not in ("", None) or field == "default", (key, field)
+        if sub["type"] in ("integer", "number"):
+            assert "minimum" in sub and "maximum" in sub, key
+        assert sub["x-group"] in SCHEMA["x-groups"], key
+
+
+def test_schema_knows_every_key_the_broker_reads_with_its_default():
+    """Every key of lib/edgebroker.py DEFAULTS is in the schema with the same
+    default, so the tools never refuse a key the broker reads, nor show a
+    default the broker does not use."""
+    defaults = broker_defaults()
+    missing = sorted(set(defaults) - set(PROPS))
+    assert not missing, "keys the broker reads but the schema lacks: %s" % missing
+    for key, value in defaults.items():
+        assert PROPS[key]["default"] == value, (key, PROPS[key]["default"], value)
+
+
+def test_schema_defaults_pass_the_schema(tmp_path):
+    path = write(tmp_path, "defaults", {k: v["default"] for k, v in PROPS.items()})
+    config("check", str(path), check=0)
+
+
+# -------------------------------------------------------- committed boards
+def test_every_board_profile_passes_config_check():
+    names = {p.stem for p in PROFILES}
+    assert {"esp32", "esp32s3", "rp2040_picow", "rp2350_pico2w", "host"} <= names
+    r = config("check", "--all", "-v", check=0)
+    for p in PROFILES:
+        assert "%s (%s): ok" % (p, json.loads(p.read_text())["board"]) in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
+def test_board_profile_sets_every_key(path):
+    """Committed profiles are explicit: every schema key is written out, in
+    schema order (a reader sees each limit without looking up defaults)."""
+    prof = json.loads(path.read_text())
+    assert list(prof) == list(PROPS), path
+    assert prof["users"] == {}, "no credentials in committed profiles"
+
+
+def test_board_limits_respect_sockets():
+    for p in PROFILES:
+        prof = json.loads(p.read_text())
+        assert prof["max_clients"] <= prof["sockets"] - 1 - prof["spare_sockets"], p
+    assert json.loads((BOARDS / "rp2040_picow.json").read_text())["max_clients"] <= 3
+    assert json.loads((BOARDS / "esp32.json").read_text())["max_clients"] <= 8
+
+
+def test_memory_costs_file():
+    costs = json.loads((BOARDS / "memory_costs.json").read_text())
+    assert costs["pointer_bytes"] == 8
+    c = costs["costs"]
+    for key in ("broker_idle", "per_connection", "per_subscription", "per_offline_session",
+                "per_queued_message", "per_inflight_message", "message_overhead",
+                "sys_retained"):
+        assert isinstance(c[key], int) and c[key] > 0, key
+    assert c["import_mpy"]["edgebroker"] > c["import_romfs"]["edgebroker"] > 0
+    assert c["min_heap_import_py"]["edgebroker"] > c["min_heap_import_mpy"]["edgebroker"]
+    assert c["retained"]["ram"]["per_message"] > c["retained"]["disc_only"]["per_message"]
+
+
+# ------------------------------------------------------- broken profiles
+BROKEN = [
+    # (name, change, key, value text, range text)
+    ("unknown_key", {"max_client": 4}, "max_client", "max_client = 4", "unknown key"),
+    ("wrong_type", {"max_clients": "4"}, "max_clients", 'max_clients = "4"', "must be an integer"),
+    ("bool_is_not_int", {"max_queued": True}, "max_queued", "max_queued = true",
+     "must be an integer"),
+    ("float_is_not_int", {"io_chunk": 1024.0}, "io_chunk", "io_chunk = 1024.0",
+     "must be an integer"),
+    ("out_of_range", {"maximum_qos": 3}, "maximum_qos", "maximum_qos = 3", "must be 0..2"),
+    ("negative", {"max_sessions": -1}, "max_sessions", "max_sessions = -1", "must be 0..1000000"),
+    ("bad_enum", {"storage_type": "flash"}, "storage_type", 'storage_type = "flash"',
+     'must be one of "ram", "disc", "disc_only"'),
+    ("clients_over_sockets", {"max_clients": 12}, "max_clients", "max_clients = 12",
+     "must be <= 8 (sockets 10 - listener 1 - spare 1) on esp32"),
+    ("store_over_fs", {"store_budget_bytes": 1048576}, "store_budget_bytes",
+     "store_budget_bytes = 1048576", "must be <= fs_bytes 2097152"),
+    ("store_unbounded", {"store_budget_bytes": 0}, "store_budget_bytes",
+     "store_budget_bytes = 0", "must be > 0"),
+    ("heap_over", {"max_subscriptions": 16}, "heap_bytes", "heap_bytes = 110000",
+     "the worst-case heap is"),
+    ("code_over", {"code_budget_bytes": 32768}, "code_budget_bytes",
+     "code_budget_bytes = 32768", "must be >="),
+    ("reserve_too_small", {"fs_reserve_bytes": 4096}, "fs_reserve_bytes",
+     "fs_reserve_bytes = 4096", "must be >="),
+]
+
+
+@pytest.mark.parametrize("name,change,key,value,allowed", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_profile_fails_naming_key_and_value(tmp_path, name, change, key, value, allowed):
+    prof = esp32()
+    prof.update(change)
+    path = write(tmp_path, name, prof)
+    r = config("check", str(path))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert errors, r.stderr
+    hit = [e for e in errors if value in e and allowed in e]
+    assert hit, "no error naming %r with %r in:\n%s" % (value, allowed, r.stderr)
+    assert key in hit[0]
+
+
+def test_all_errors_are_listed(tmp_path):
+    prof = esp32()
+    prof.update({"max_clientz": 1, "maximum_qos": 7, "log_level": "loud", "romfs": "no"})
+    r = config("check", str(write(tmp_path, "many", prof)), check=1)
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert len(errors) == 4, r.stderr
+    assert "4 errors" in r.stderr
+    assert "did you mean max_clients?" in r.stderr
+
+
+def test_profile_that_cannot_fit_the_esp32_heap_is_refused(tmp_path):
+    """Within the socket limit but not the heap: 8 clients with the esp32's
+    per-client limits need far more than heap_bytes."""
+    prof = esp32()
+    prof.update({"max_clients": 8, "max_sessions": 4})
+    r = config("check", "-v", str(write(tmp_path, "fat", prof)), check=1)
+    assert "heap_bytes = 110000: the worst-case heap is" in r.stderr
+    assert "max_clients = 8" not in r.stderr  # 8 is within the sockets
+    # the breakdown shows what it is made of
+    for item in ("code", "clients", "sessions", "retained", "heap_reserve"):
+        assert "    %s " % item in r.stderr
+
+
+def test_check_reports_heap_and_flash_sums():
+    r = config("check", "-v", "esp32", check=0)
+    assert "heap: worst case" in r.stdout and "of heap_bytes 110000" in r.stdout
+    assert "flash: peak" in r.stdout and "of fs_bytes 2097152" in r.stdout
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    r = config("check", str(tmp_path / "missing.json"), check=2)
+    assert "missing.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "broken.json").write_text("{nope")
+    r = config("check", str(tmp_path / "broken.json"), check=2)
+    assert "not valid JSON" in r.stderr
+    r = config("check", "no_such_board", check=2)
+    assert "unknown board 'no_such_board'" in r.stderr and "esp32" in r.stderr
+
+
+# ------------------------------------------------------------------ show
+def test_show_fills_defaults(tmp_path):
+    path = write(tmp_path, "small", {"board": "small", "max_clients": 3})
+    r = config("show", str(path), check=0)
+    shown = json.loads(r.stdout)
+    assert list(shown) == list(PROPS)
+    assert shown["max_clients"] == 3 and shown["board"] == "small"
+    defaults = broker_defaults()
+    for key, sub in PROPS.items():
+        if key not in ("board", "max_clients"):
+            assert shown[key] == sub["default"], key
+            if key in defaults:
+                assert shown[key] == defaults[key], key
+
+
+def test_show_by_board_name():
+    shown = json.loads(config("show", "rp2040_picow", check=0).stdout)
+    assert shown == json.loads((BOARDS / "rp2040_picow.json").read_text())
+
+
+def test_show_reports_schema_errors(tmp_path):
+    r = config("show", str(write(tmp_path, "odd", {"max_clients": 0})), check=1)
+    assert json.loads(r.stdout)["max_clients"] == 0
+    assert "max_clients = 0: must be 1..65535" in r.stderr
+
+
+# ----------------------------------------------------------------- apply
+def test_apply_merges_checks_and_writes(tmp_path):
+    board = write(tmp_path, "esp32", esp32())
+    patch = write(tmp_path, "patch", {"max_retained_messages": 128, "log_level": None,
+                                      "users": {"gw": "sha256:" + "ab" * 32}})
+    r = config("apply", str(board), str(patch), check=0)
+    merged = json.loads(r.stdout)
+    assert merged["max_retained_messages"] == 128
+    assert "log_level" not in merged  # null removes the key: its default applies
+    assert merged["users"] == {"gw": "sha256:" + "ab" * 32}
+    assert json.loads(board.read_text()) == esp32()  # not written without --write
+    config("apply", str(board), str(patch), "--write", check=0)
+    assert json.loads(board.read_text()) == merged
+    config("check", str(board), check=0)
+
+
+def test_apply_refuses_to_write_a_failing_result(tmp_path):
+    board = write(tmp_path, "esp32", esp32())
+    before = board.read_text()
+    patch = write(tmp_path, "patch", {"max_clients": 12, "max_queue": 4})
+    r = config("apply", str(board), str(patch), "--write", check=1)
+    assert "max_clients = 12: must be <= 8" in r.stderr
+    assert "max_queue = 4: unknown key" in r.stderr
+    assert "not written" in r.stderr
+    assert board.read_text() == before
+
+
+# ------------------------------------------------------------- reference
+def test_reference_page_is_up_to_date():
+    r = config("reference", "--check")
+    assert r.returncode == 0, "docs/board-reference.md is stale: run `make board-reference`\n" + r.stderr
+    page = (REPO / "docs" / "board-reference.md").read_text()
+    for key, sub in PROPS.items():
+        assert "### %s\n" % key in page, key
+        assert sub["x-consequence"] in page, key
+
+
+def test_reference_check_notices_a_stale_page(tmp_path):
+    stale = tmp_path / "ref.md"
+    stale.write_text("old\n")
+    config("reference", "--check", "--out", str(stale), check=1)
+    config("reference", "--out", str(stale), check=0)
+    config("reference", "--check", "--out", str(stale), check=0)

@@ -1,0 +1,343 @@
+"""firmware/ (boot.py, main.py, gateway.py): type-checked against the ESP32
+and RP2 stubs, and run under the MicroPython unix port.
+
+- mypy --strict with micropython-esp32-stubs / micropython-rp2-stubs as the
+  typeshed (tools/firmware_typecheck/; the stubs live in .venv/stubs/<port>,
+  installed by `make venv`).
+- gateway functions under MicroPython with the stand-in network/machine
+  (backoff, bounded Wi-Fi retries, background reconnects, wallclock epochs).
+- the real boot.py + main.py booting on the stand-in board
+  (host_tests/standin_board.py): Wi-Fi failures and retries with backoff, NTP
+  failure, access point mode, missing secrets, a crash loop ending in safe
+  mode and its repair, the watchdog across Ctrl-C and soft resets.
+
+The stand-in board's files are placed directly in its sandbox from an
+`edgebroker build` (test_flash.py covers copying them with mpremote).
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from mqtt_helpers import free_port, paho_client  # noqa: E402
+from standin_board import STANDIN_DIR, StandinBoard, micropython_exe  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+STUBS = REPO / ".venv" / "stubs"
+MYPY_INI = REPO / "tools" / "firmware_typecheck" / "mypy.ini"
+PORTS = ("esp32", "rp2")
+
+
+# ---------------------------------------------------------------- type checking
+@pytest.mark.parametrize("port", PORTS)
+def test_firmware_typechecks_against_port_stubs(port):
+    """mypy --strict over firmware/ with the port's MicroPython stubs as typeshed."""
+    stubs = STUBS / port
+    if not (stubs / "stdlib" / "VERSIONS").is_file() or not (stubs / "machine.pyi").is_file():
+        pytest.fail("MicroPython %s stubs missing in %s: run `make venv` (tools/setup.sh installs "
+                    "tools/firmware_typecheck/%s.txt there)" % (port, stubs, port), pytrace=False)
+    env = dict(os.environ)
+    env["MYPYPATH"] = os.pathsep.join([str(stubs), str(REPO / "lib"), str(REPO / "firmware")])
+    res = subprocess.run(
+        [str(VENV_BIN / "mypy"), "--config-file", str(MYPY_INI), "--custom-typeshed-dir",
+         str(stubs), "--no-incremental", "firmware/"],
+        cwd=str(REPO), env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert res.returncode == 0, "mypy (%s stubs):\n%s%s" % (port, res.stdout, res.stderr)
+    assert "Success" in res.stdout
+
+
+def test_firmware_imports_machine_and_network_only_in_firmware():
+    """design: `machine` and `network` are imported only in firmware/."""
+    for path in sorted((REPO / "lib").glob("*.py")):
+        for line in path.read_text().splitlines():
+            words = line.strip().split()
+            if words[:1] in (["import"], ["from"]) and len(words) > 1:
+                assert words[1].split(".")[0] not in ("machine", "network"), (path, line)
+
+
+# ---------------------------------------------------------------- gateway under MicroPython
+PRELUDE = """
+import sys
+sys.path.insert(0, %r)
+import fake_machine, fake_network, fake_ntptime
+sys.modules['machine'] = fake_machine
+sys.modules['network'] = fake_network
+sys.modules['ntptime'] = fake_ntptime
+sys.path.insert(0, %r)
+import gateway
+""" % (str(STANDIN_DIR), str(REPO / "firmware"))
+
+
+def mpy_run(code, env=None, timeout=30):
+    """Run code (after PRELUDE) under the MicroPython unix port; its stdout."""
+    e = dict(os.environ)
+    e.update(env or {})
+    res = subprocess.run([micropython_exe(), "-c", PRELUDE + code], capture_output=True,
+                         text=True, timeout=timeout, env=e)
+    assert res.returncode == 0, "micropython failed:\n%s\n%s" % (res.stdout, res.stderr)
+    return res.stdout
+
+
+def test_backoff_doubles_and_is_capped():
+    out = mpy_run("print([gateway.backoff_ms(n, 1000, 30000) for n in range(1, 8)])")
+    assert out.strip() == "[1000, 2000, 4000, 8000, 16000, 30000, 30000]"
+
+
+def test_wifi_fails_twice_then_connects_with_backoff():
+    """Two failed attempts, waits of base and 2*base between them, then connected."""
+    out = mpy_run(
+        "waits = []\n"
+        "w = fake_network.WLAN(fake_network.STA_IF)\n"
+        "ok = gateway.connect_wifi(w, 'lab', 'pw', waits.append, attempts=5, base_ms=300,"
+        " max_ms=1000, timeout_ms=2000)\n"
+        "print('RESULT', ok, [x for x in waits if x != gateway.WIFI_POLL_MS],"
+        " len(fake_network.connects))\n",
+        env={"STANDIN_WIFI_FAILS": "2", "STANDIN_WIFI_DELAY_MS": "0"},
+    )
+    assert "RESULT True [300, 600] 3" in out, out
+    assert "wifi connecting to 'lab' (attempt 1 of 5)" in out
+    assert "wifi attempt 1 failed (no access point found), retrying in 300 ms" in out
+    assert "wifi attempt 2 failed (no access point found), retrying in 600 ms" in out
+    assert "wifi connected 127.0.0.1" in out
+
+
+def test_wifi_attempts_are_bounded():
+    """A network that never answers: exactly `attempts` tries, capped delays, then False."""
+    out = mpy_run(
+        "waits = []\n"
+        "w = fake_network.WLAN(fake_network.STA_IF)\n"
+        "ok = gateway.connect_wifi(w, 'lab', 'pw', waits.append, attempts=4, base_ms=300,"
+        " max_ms=700, timeout_ms=1000)\n"
+        "print('RESULT', ok, [x for x in waits if x != gateway.WIFI_POLL_MS],"
+        " len(fake_network.connects))\n",
+        env={"STANDIN_WIFI_SSID": "other", "STANDIN_WIFI_DELAY_MS": "0"},
+    )
+    assert "RESULT False [300, 600, 700] 4" in out, out
+    assert "wifi not connected after 4 attempts: starting the broker anyway" in out
+
+
+def test_wifi_wrong_password_is_named():
+    out = mpy_run(
+        "w = fake_network.WLAN(fake_network.STA_IF)\n"
+        "print('RESULT', gateway.connect_wifi(w, 'lab', 'bad', lambda ms: None, attempts=1))\n",
+        env={"STANDIN_WIFI_PASSWORD": "good", "STANDIN_WIFI_DELAY_MS": "0"},
+    )
+    assert "wifi attempt 1 failed (wrong password)" in out
+    assert "RESULT False" in out
+
+
+def test_background_reconnect_backs_off():
+    """Link lost: reconnects from on_tick, no more often than the backoff allows."""
+    out = mpy_run(
+        "import time\n"
+        "w = fake_network.WLAN(fake_network.STA_IF)\n"
+        "w.active(True)\n"
+        "r = gateway.Reconnector(w, 'lab', 'pw', True, base_ms=1000, max_ms=4000)\n"
+        "t0 = time.ticks_ms()\n"
+        "for ms in range(0, 12000, 250):\n"  # link down all along: simulated clock
+        "    r.poll(time.ticks_add(t0, ms))\n"
+        "print('RESULT', len(fake_network.connects))\n",
+        env={"STANDIN_WIFI_FAILS": "1000", "STANDIN_WIFI_DELAY_MS": "100000"},
+    )
+    # tries at 0, 1000, 3000 (+2000), 7000 (+4000), 11000 (+4000 cap)
+    assert "RESULT 5" in out, out
+    assert "wifi lost, reconnecting to 'lab'" in out
+
+
+def test_wallclock_epochs_and_unset_clock():
+    """Unix seconds from a 2000-epoch (ESP32) or 1970-epoch RTC; None when never set."""
+    out = mpy_run(
+        "import time\n"
+        "print('E2000', gateway.unix_seconds(0, gateway.UNIX_2000))\n"
+        "print('E1970', gateway.unix_seconds(1700000000, 0))\n"
+        "print('OFFSET', gateway.EPOCH_OFFSET)\n"
+        "t = gateway.wallclock()\n"
+        "print('SET', t is not None and abs(t - time.time()) < 5)\n"
+        "gateway.MIN_CLOCK_YEAR = 3000\n"
+        "print('UNSET', gateway.wallclock())\n"
+        "gateway._clock_synced = True\n"
+        "print('SYNCED', gateway.wallclock() is not None)\n"
+    )
+    assert "E2000 946684800" in out
+    assert "E1970 1700000000" in out
+    assert "OFFSET 0" in out  # the unix port counts from 1970
+    assert "SET True" in out
+    assert "UNSET None" in out
+    assert "SYNCED True" in out
+
+
+# ---------------------------------------------------------------- boots on the stand-in board
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    """One `edgebroker build host` for the module (placed on each board)."""
+    root = tmp_path_factory.mktemp("dist")
+    res = subprocess.run([str(VENV_BIN / "edgebroker"), "build", "host", "--dist", str(root)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return root / "host"
+
+
+def place(board_root, dist_dir, profile=None, secrets=None, extra=None):
+    """Put a build on a board's filesystem as flash would (without mpremote)."""
+    board_root.mkdir(parents=True, exist_ok=True)
+    for name in ("boot.py", "main.py", "lib"):
+        src = dist_dir / name
+        if src.is_dir():
+            shutil.copytree(src, board_root / name, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(src, board_root / name)
+    prof = json.loads((dist_dir / "board.json").read_text())
+    prof.update({"bind": "127.0.0.1", "port": free_port()})
+    prof.update(profile or {})
+    (board_root / "board.json").write_text(json.dumps(prof))
+    if secrets is not None:
+        (board_root / "secrets.json").write_text(json.dumps(secrets))
+    for name, text in (extra or {}).items():
+        (board_root / name).write_text(text)
+    return prof
+
+
+SECRETS = {"wifi_ssid": "lab", "wifi_password": "pw-12345678", "ap_password": "ap-12345678"}
+
+
+@pytest.fixture
+def boards(tmp_path):
+    started = []
+
+    def start(name="board", **kw):
+        b = StandinBoard(tmp_path / name, log_path=tmp_path / (name + ".log"), **kw).start()
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.stop()
+
+
+def mpremote(board, *args, timeout=30):
+    """`mpremote connect URL resume ARGS...`; failures show the board's console."""
+    try:
+        res = subprocess.run([str(VENV_BIN / "mpremote"), "connect", board.url, "resume", *args],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail("mpremote %s: no result in %d s; board console:\n%s"
+                    % (args, timeout, board.console()[-4000:]), pytrace=False)
+    assert res.returncode == 0, "mpremote %s: %s%s\nconsole:\n%s" % (
+        args, res.stdout, res.stderr, board.console()[-4000:])
+    return res.stdout
+
+
+def test_boot_wifi_retries_with_backoff_ntp_fails_broker_serves(boards, dist, tmp_path):
+    """main.py: Wi-Fi fails twice (backoff 1 s, 2 s), NTP fails, the broker
+    still starts and serves MQTT; the clock is reported unset."""
+    prof = place(tmp_path / "board", dist, {"ntp": True}, SECRETS)
+    b = boards(env={"STANDIN_WIFI_FAILS": "2", "STANDIN_NTP": "fail"})
+    assert b.wait_console("edgebroker listening on", timeout=20), b.console()
+    text = b.console()
+    assert "edgebroker: boot (power-on reset)" in text
+    assert "wifi attempt 1 failed (no access point found), retrying in 1000 ms" in text
+    assert "wifi attempt 2 failed (no access point found), retrying in 2000 ms" in text
+    assert "wifi connecting to 'lab' (attempt 3 of 6)" in text
+    assert "edgebroker: wifi connected 127.0.0.1" in text
+    assert "clock not set: ntp pool.ntp.org failed" in text
+    c = paho_client(prof["port"], client_id="fw-check")
+    try:
+        c.publish_wait("fw/x", b"1", qos=1)
+    finally:
+        c.close()
+    assert (tmp_path / "board" / "crashes").read_text() == "1"  # cleared after 30 s of serving
+
+
+def test_boot_access_point_mode(boards, dist, tmp_path):
+    place(tmp_path / "board", dist, {"wifi_mode": "ap", "ap_ssid": "gw-test"}, SECRETS)
+    b = boards()
+    assert b.wait_console("edgebroker listening on", timeout=15), b.console()
+    assert "access point 'gw-test' up, address 127.0.0.1" in b.console()
+    assert "wifi connecting" not in b.console()
+
+
+def test_boot_without_secrets_stays_at_repl(boards, dist, tmp_path):
+    """No /secrets.json: a clear message, radio off, no broker, no crash
+    counted, and the REPL answers (the documented choice)."""
+    prof = place(tmp_path / "board", dist, {}, secrets=None)
+    b = boards()
+    assert b.wait_console(lambda t: t.rstrip().endswith(">>>"), timeout=15), b.console()
+    text = b.console()
+    assert "edgebroker: no /secrets.json: Wi-Fi stays off and the broker is not started." in text
+    assert "copy firmware/secrets.example.json to firmware/secrets.json" in text
+    assert "listening" not in text
+    assert (tmp_path / "board" / "crashes").read_text() == "0"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", prof["port"]), timeout=1).close()
+    assert "42" in mpremote(b, "exec", "print(6 * 7)")
+
+
+def test_crash_loop_ends_in_safe_mode_and_repairs(boards, dist, tmp_path):
+    """The broker cannot start (its port is taken): crash, reset, crash,
+    reset, then safe mode at the limit: no broker, the REPL answers and says
+    why. gateway.clear() and a reset bring the broker back once the cause is gone."""
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    port = blocker.getsockname()[1]
+    place(tmp_path / "board", dist, {"port": port, "safe_mode_crashes": 2}, SECRETS)
+    try:
+        b = boards()
+        assert b.wait_console("SAFE MODE", timeout=30), b.console()
+        assert b.wait_console(lambda t: t.rstrip().endswith(">>>"), timeout=5)
+        text = b.console()
+        assert text.count("edgebroker: crashed (OSError(98") == 2, text
+        assert [c for _m, c in b.boots] == ["power", "hard", "hard"]
+        assert ("SAFE MODE: broker not started: 2 boots in a row ended before the broker had "
+                "served 30 s (safe_mode_crashes 2)") in text
+        assert "last crash (/last_crash.txt):" in text
+        assert "EADDRINUSE" in (tmp_path / "board" / "last_crash.txt").read_text()
+        assert len(b.boots) == 3  # safe mode broke the loop
+    finally:
+        blocker.close()
+    # the cause is gone: leave safe mode from the REPL and reset
+    out = mpremote(b, "exec", "import gateway; gateway.clear()")
+    assert "safe mode cleared" in out
+    n = b.console_len()
+    mpremote(b, "exec", "--no-follow", "import machine; machine.reset()")  # as `mpremote reset`
+    assert b.wait_console("edgebroker listening on", timeout=20, start=n), b.console(n)
+    assert "edgebroker: boot (hard reset)" in b.console(n)
+
+
+def test_watchdog_survives_ctrl_c_and_fires_after_a_raw_soft_reset(boards, dist, tmp_path):
+    """watchdog_ms on: fed by on_tick while serving; after Ctrl-C a timer
+    keeps feeding it (mpremote works); a soft reset from the raw REPL stops
+    that timer, the watchdog fires, and the board boots the broker again."""
+    place(tmp_path / "board", dist, {"watchdog_ms": 2500}, SECRETS)
+    b = boards()
+    assert b.wait_console("edgebroker listening on", timeout=15), b.console()
+    assert "edgebroker: watchdog 2500 ms" in b.console()
+    time.sleep(3.5)  # longer than the timeout: on_tick feeds it
+    assert len(b.boots) == 1
+    out = mpremote(b, "exec", "import time; time.sleep(3.5); print('still here')")
+    assert "still here" in out  # Ctrl-C stopped the broker; the timer fed the watchdog
+    assert len(b.boots) == 1
+    text = b.console()
+    assert "edgebroker: stopped by Ctrl-C; at the REPL" in text
+    assert "fed for 600 s (maintenance)" in text
+    assert (tmp_path / "board" / "crashes").read_text() == "0"  # Ctrl-C is not a crash
+    n = b.console_len()
+    res = subprocess.run([str(VENV_BIN / "mpremote"), "connect", b.url, "soft-reset"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert b.wait_console("standin: watchdog reset", timeout=10, start=n), b.console(n)
+    assert b.wait_console("edgebroker listening on", timeout=15, start=n), b.console(n)
+    assert "edgebroker: boot (watchdog reset)" in b.console(n)
+    assert [c for _m, c in b.boots] == ["power", "soft", "wdt"]

@@ -1,0 +1,342 @@
+"""`edgebroker build` and `edgebroker flash`, end to end without hardware.
+
+The board is host_tests/standin_board.py: the MicroPython unix port behind a
+raw-REPL bridge on socket://127.0.0.1:N. The real `edgebroker flash` runs
+the real mpremote against it (copy, sha256 verification on the board, soft
+reset), the flashed main.py boots the broker inside that interpreter, and
+a real MQTT client (paho) publishes a retained message and gets it back.
+esptool is not run (no chip here): its command lines are checked through
+--dry-run and esptool_commands().
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tools"))
+
+from mqtt_helpers import free_port, paho_client  # noqa: E402
+from standin_board import STANDIN_DIR, StandinBoard, micropython_exe  # noqa: E402
+
+from edgebroker_tools.commands import build as build_cmd  # noqa: E402
+from edgebroker_tools.commands import flash as flash_cmd  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+EDGEBROKER = str(VENV_BIN / "edgebroker")
+SECRETS = {"wifi_ssid": "lab", "wifi_password": "pw-12345678", "users": {}}
+
+
+def edgebroker(*args, timeout=180):
+    res = subprocess.run([EDGEBROKER, *args], capture_output=True, text=True, timeout=timeout,
+                         cwd=str(REPO))
+    return res
+
+
+@pytest.fixture
+def board(tmp_path):
+    b = StandinBoard(tmp_path / "board", log_path=tmp_path / "board.log").start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def secrets(tmp_path):
+    p = tmp_path / "secrets.json"
+    p.write_text(json.dumps(SECRETS))
+    return p
+
+
+def flash(board, profile, port, secrets, dist, *extra):
+    res = edgebroker("flash", profile, "--port", board.url, "--dist", str(dist),
+                     "--secrets", str(secrets), "--set", "port=%d" % port,
+                     "--set", "bind=127.0.0.1", *extra)
+    assert res.returncode == 0, "flash failed (%d):\n%s\n%s\nconsole:\n%s" % (
+        res.returncode, res.stdout, res.stderr, board.console()[-4000:])
+    return res.stdout
+
+
+def retained_roundtrip(port, topic, payload):
+    """Publish retained (QoS 1), then a new client subscribes and gets it."""
+    pub = paho_client(port, client_id="flash-pub")
+    try:
+        pub.publish_wait(topic, payload, qos=1, retain=True)
+    finally:
+        pub.close()
+    return retained_of(port, topic)
+
+
+def retained_of(port, topic):
+    sub = paho_client(port, client_id="flash-sub")
+    try:
+        sub.subscribe_wait(topic, qos=1)
+        msg = sub.wait_messages(1, timeout=5)[0]
+        assert msg.retain
+        return msg.payload
+    finally:
+        sub.close()
+
+
+# ---------------------------------------------------------------- end to end
+def test_flash_host_profile_end_to_end(board, secrets, tmp_path):
+    """Empty stand-in board -> `edgebroker flash host --port socket://...`:
+    build, mpremote copy, sha256 verify, soft reset, broker up; a retained
+    message goes in and comes back. Then a tampered file is caught by the
+    verification step."""
+    port = free_port()
+    dist = tmp_path / "dist"
+    out = flash(board, "host", port, secrets, dist)
+    assert "edgebroker build: host ->" in out  # nothing built yet: built first
+    for f in ("lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy", "boot.py",
+              "main.py", "board.json", "secrets.json"):
+        assert "copy %s" % f in out, out
+    assert "verified 7 files by sha256" in out
+    assert "board | edgebroker: wifi connected 127.0.0.1" in out
+    assert "board | edgebroker listening on 127.0.0.1:%d (micropython)" % port in out
+    assert "host flashed, verified, broker running" in out
+    assert "[########################] 100%" in out
+    assert set(board.files()) >= {"boot.py", "main.py", "board.json", "secrets.json", "crashes",
+                                  "lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy"}
+    assert "safe_mode" not in board.files()
+    on_board = json.loads((board.root / "board.json").read_text())
+    assert on_board["port"] == port and on_board["bind"] == "127.0.0.1"
+    assert (board.root / "lib" / "gateway.mpy").read_bytes() == (
+        dist / "host" / "lib" / "gateway.mpy").read_bytes()
+
+    assert retained_roundtrip(port, "site/a/temp", b"21.5") == b"21.5"
+
+    # verification compares hashes computed on the board
+    (board.root / "lib" / "gateway.mpy").write_bytes(b"M\x06\x00\x1fdamaged")
+    target = build_cmd.load_target("host", ["port=%d" % port, "bind=127.0.0.1"])
+    plan = flash_cmd.make_plan(target, board.url, dist, secrets, None, None, False, 0)
+    bad = flash_cmd.verify_on_board(plan)
+    assert [p for p, _h in bad] == ["/lib/gateway.mpy"]
+
+
+def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path):
+    """The esp32 profile (board-sized heap, watchdog, flash store) flashed,
+    then flashed again while its broker runs: mpremote's Ctrl-C stops it, the
+    watchdog is fed meanwhile, unchanged files are skipped, and the retained
+    message stored on flash survives the reboot."""
+    prof = json.loads((REPO / "boards" / "esp32.json").read_text())
+    b = StandinBoard(tmp_path / "board", heap="%dw" % prof["heap_bytes"],  # in 32-bit words
+                     log_path=tmp_path / "board.log").start()
+    try:
+        port = free_port()
+        dist = tmp_path / "dist"
+        flash(b, "esp32", port, secrets, dist, "--set", "watchdog_ms=3000")
+        assert "edgebroker: watchdog 3000 ms" in b.console()
+        assert "clock set by ntp pool.ntp.org" in b.console()
+        assert retained_roundtrip(port, "site/b/state", b"open") == b"open"
+        assert (b.root / "data" / "retained.ebrs").is_file()
+
+        out = flash(b, "esp32", port, secrets, dist, "--set", "watchdog_ms=3000",
+                    "--set", "log_level=warning")
+        assert "edgebroker build: esp32 ->" in out  # the profile changed: rebuilt
+        assert "same lib/edgebroker.mpy" in out  # mpremote skipped what the board has
+        assert "copy board.json" in out
+        assert "edgebroker: stopped by Ctrl-C" in b.console()
+        assert "wdt" not in [cause for _mode, cause in b.boots], b.boots
+        assert retained_of(port, "site/b/state") == b"open"
+    finally:
+        b.stop()
+
+
+# ---------------------------------------------------------------- dry run, esptool
+def dry_run_lines(*args):
+    """The dry run's output as commands: one per line, or more lines where a
+    quoted argument (the MicroPython code given to `mpremote exec`) spans them."""
+    res = edgebroker("flash", *args, "--dry-run")
+    assert res.returncode == 0, res.stdout + res.stderr
+    cmds, acc = [], ""
+    for line in res.stdout.splitlines():
+        acc = acc + "\n" + line if acc else line
+        try:
+            shlex.split(acc, comments=True)
+        except ValueError:  # inside a quoted multi-line argument
+            continue
+        cmds.append(acc)
+        acc = ""
+    assert not acc, "unterminated quoting in the dry run: %r" % acc
+    return cmds, res.stderr
+
+
+def test_dry_run_esp32_prints_esptool_then_mpremote(tmp_path):
+    lines, _err = dry_run_lines("esp32", "--port", "/dev/ttyUSB9", "--firmware", "fw.bin",
+                                "--erase", "--dist", str(tmp_path))
+    cmds = [shlex.split(x, comments=True) for x in lines if not x.startswith("#")]
+    esptool = [c for c in cmds if "esptool" in Path(c[0]).name]
+    assert [c[1:] for c in esptool] == [
+        ["--chip", "esp32", "--port", "/dev/ttyUSB9", "erase-flash"],
+        ["--chip", "esp32", "--port", "/dev/ttyUSB9", "--baud", "460800", "write-flash", "-z",
+         "0x1000", "fw.bin"],
+    ]
+    mp = [c for c in cmds if Path(c[0]).name == "mpremote"]
+    assert all(c[1:4] == ["connect", "/dev/ttyUSB9", "resume"] for c in mp)
+    copy = next(c for c in mp if c[4:6] == ["fs", "cp"])
+    assert ":/lib/edgebroker.mpy" in copy and ":/main.py" in copy and ":/board.json" in copy
+    assert any("hashlib" in " ".join(c) for c in mp)  # the verification step
+    assert any(x.startswith("edgebroker build") for x in lines)  # no build yet in tmp_path
+    assert not (tmp_path / "esp32").exists()  # a dry run builds nothing
+
+
+def test_dry_run_esp32s3_offset_is_zero(tmp_path):
+    lines, _err = dry_run_lines("esp32s3", "--port", "socket://127.0.0.1:9", "--firmware",
+                                "s3.bin", "--dist", str(tmp_path))
+    write = [shlex.split(x, comments=True) for x in lines if "write-flash" in x]
+    assert len(write) == 1 and write[0][-2:] == ["0x0", "s3.bin"]
+    assert ["--chip", "esp32s3"] == write[0][1:3]
+    assert not any("erase-flash" in x for x in lines)
+
+
+@pytest.mark.parametrize("chip,offset", [("esp32", "0x1000"), ("esp32s2", "0x1000"),
+                                         ("esp32s3", "0x0"), ("esp32c3", "0x0"),
+                                         ("esp32c6", "0x0")])
+def test_esptool_commands_per_chip(chip, offset):
+    cmds = flash_cmd.esptool_commands(chip, "COM3", Path("mp.bin"), erase=True, baud=921600)
+    assert cmds == [
+        ["esptool", "--chip", chip, "--port", "COM3", "erase-flash"],
+        ["esptool", "--chip", chip, "--port", "COM3", "--baud", "921600", "write-flash", "-z",
+         offset, "mp.bin"],
+    ]
+    assert flash_cmd.esptool_commands(chip, "COM3", Path("mp.bin"), erase=False)[0][5] == "--baud"
+
+
+def test_rp2_firmware_gets_the_bootsel_message():
+    res = edgebroker("flash", "rp2040_picow", "--port", "/dev/ttyACM9", "--firmware", "mp.uf2",
+                     "--dry-run")
+    assert res.returncode == 2
+    assert "BOOTSEL" in res.stderr and ".uf2" in res.stderr
+
+
+def test_flash_refuses_a_tcp_port_number_and_erase_without_firmware():
+    res = edgebroker("flash", "esp32", "--port", "1883", "--dry-run")
+    assert res.returncode == 2 and "looks like a TCP port number" in res.stderr
+    res = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--erase", "--dry-run")
+    assert res.returncode == 2 and "--erase needs --firmware" in res.stderr
+
+
+def test_missing_secrets_file_is_a_warning_or_copied(tmp_path):
+    lines, err = dry_run_lines("host", "--port", "/dev/ttyUSB9", "--dist", str(tmp_path))
+    copy = next(x for x in lines if " fs cp " in x)
+    if (REPO / "firmware" / "secrets.json").is_file():
+        assert ":/secrets.json" in copy
+    else:
+        assert "warning: no secrets file" in err
+        assert ":/secrets.json" not in copy
+    res = edgebroker("flash", "host", "--port", "/dev/ttyUSB9", "--secrets",
+                     str(tmp_path / "nope.json"), "--dry-run")
+    assert res.returncode == 2 and "secrets file not found" in res.stderr
+
+
+# ---------------------------------------------------------------- build
+def test_build_reports_sizes_and_fails_over_budget(tmp_path):
+    res = edgebroker("build", "esp32", "--dist", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert "lib/edgebroker.mpy" in res.stdout and "code_budget_bytes" in res.stdout
+    man = json.loads((tmp_path / "esp32" / "manifest.json").read_text())
+    assert man["bytecode_bytes"] == sum(
+        (tmp_path / "esp32" / f["path"]).stat().st_size for f in man["files"]
+        if f["path"].endswith(".mpy"))
+    assert not (tmp_path / "esp32" / "romfs.img").exists()
+    res = edgebroker("build", "esp32", "--dist", str(tmp_path), "--set", "code_budget_bytes=1000")
+    assert res.returncode == 1
+    assert "OVER BUDGET" in res.stdout and "over esp32's code_budget_bytes (1,000)" in res.stderr
+    (tmp_path / "s.json").write_text(json.dumps(SECRETS))
+    res = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dist", str(tmp_path),
+                     "--set", "code_budget_bytes=1000", "--secrets", str(tmp_path / "s.json"))
+    assert res.returncode == 2 and "not flashing it" in res.stderr
+
+
+def test_build_is_current_until_an_input_changes(tmp_path):
+    target = build_cmd.load_target("host")
+    assert not build_cmd.is_current(target, tmp_path / "host")
+    build_cmd.build(target, tmp_path)
+    assert build_cmd.is_current(target, tmp_path / "host")
+    assert not build_cmd.is_current(build_cmd.load_target("host", ["max_clients=3"]),
+                                    tmp_path / "host")
+    (tmp_path / "host" / "main.py").write_text("# changed on disk\n")
+    assert not build_cmd.is_current(target, tmp_path / "host")
+
+
+def test_build_refuses_to_empty_a_foreign_directory(tmp_path):
+    (tmp_path / "host").mkdir()
+    (tmp_path / "host" / "precious.txt").write_text("keep me")
+    res = edgebroker("build", "host", "--dist", str(tmp_path))
+    assert res.returncode == 2 and "not removing" in res.stderr
+    assert (tmp_path / "host" / "precious.txt").read_text() == "keep me"
+
+
+def test_romfs_image_mounts_and_imports(tmp_path):
+    """romfs: true -> dist/<board>/romfs.img, which the unix port mounts as
+    VfsRom at /rom and imports the broker and the gateway from."""
+    res = edgebroker("build", "host", "--dist", str(tmp_path), "--set", "romfs=true")
+    assert res.returncode == 0, res.stdout + res.stderr
+    img = tmp_path / "host" / "romfs.img"
+    assert img.is_file() and "romfs.img" in res.stdout
+    code = (
+        "import sys, vfs, os\n"
+        "sys.path.insert(0, %r)\n"
+        "import fake_machine, fake_network\n"
+        "sys.modules['machine'] = fake_machine\n"
+        "sys.modules['network'] = fake_network\n"
+        "vfs.mount(vfs.VfsRom(open(%r, 'rb').read()), '/rom')\n"
+        "sys.path[:] = ['/rom/lib']\n"
+        "import edgebroker, edgestore, gateway\n"
+        "print('ROM', sorted(os.listdir('/rom/lib')), edgebroker.VERSION,"
+        " edgebroker.__file__, gateway.__file__)\n"
+    ) % (str(STANDIN_DIR), str(img))
+    out = subprocess.run([micropython_exe(), "-c", code], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ROM ['edgebroker.mpy', 'edgestore.mpy', 'gateway.mpy']" in out.stdout
+    assert "/rom/lib/edgebroker.mpy" in out.stdout
+    # flash deploys the image instead of copying lib/*.mpy, and verifies it under /rom
+    target = build_cmd.load_target("host", ["romfs=true"])
+    plan = flash_cmd.make_plan(target, "/dev/null", tmp_path, None, None, None, False, 0)
+    assert plan.romfs_image == img
+    assert not [c for c in plan.copies if c.remote.startswith("/lib/")]
+    assert "/rom/lib/edgebroker.mpy" in plan.verify
+
+
+# ---------------------------------------------------------------- mip package
+def test_package_json_installs_with_mpremote_mip(tmp_path):
+    """package.json at the repo root: mpremote's own mip code installs the
+    broker's modules from it (files written to a recording transport)."""
+    from mpremote import mip
+
+    pkg = json.loads((REPO / "package.json").read_text())
+    version = None
+    for line in (REPO / "lib" / "edgebroker.py").read_text().splitlines():
+        if line.startswith("VERSION = "):
+            version = line.split("=", 1)[1].strip().strip('"')
+    assert pkg["version"] == version
+
+    class Recorder:
+        def __init__(self):
+            self.files = {}
+            self.dirs = set()
+
+        def fs_exists(self, p):
+            return p in self.dirs or p in self.files
+
+        def fs_mkdir(self, p):
+            self.dirs.add(p)
+
+        def fs_hashfile(self, p, algo):
+            raise FileNotFoundError(p)
+
+        def fs_writefile(self, p, data, progress_callback=None):
+            self.files[p] = data
+
+    t = Recorder()
+    mip._install_package(t, str(REPO / "package.json"), "unused-index", "/lib", None, False)
+    assert set(t.files) == {"/lib/edgebroker.py", "/lib/edgestore.py"}
+    assert t.files["/lib/edgebroker.py"] == (REPO / "lib" / "edgebroker.py").read_bytes()
+    assert t.files["/lib/edgestore.py"] == (REPO / "lib" / "edgestore.py").read_bytes()

@@ -1,0 +1,517 @@
+"""`edgebroker emulate BOARD`: the broker as the board would run it, on this machine.
+
+    edgebroker emulate esp32 [--port 1883] [--interpreter micropython|cpython]
+                       [--heap SIZE] [--data-dir DIR] [--fresh] [--sys-interval S]
+                       [--status-every N] [--no-monitor] [--set key=value ...]
+
+What it runs:
+  - the MicroPython unix port with exactly the board's heap
+    (`-X heapsize=heap_bytes`, or --heap), importing the .mpy build as the
+    board does (runner.compile_mpy); with `romfs: true` the .mpy files are
+    put in a ROMFS image mounted with vfs.VfsRom, read into the heap before
+    anything else with the heap enlarged by the image's size, so the broker
+    sees heap_bytes and runs its bytecode in place, as from a ROMFS partition;
+  - the profile's limits: the effective profile (defaults filled in, --set
+    and --sys-interval applied) is written to <data-dir>/profile.json and
+    handed to the broker, as the board receives its validated profile;
+  - a store directory standing in for flash (default data/emulate/<board>):
+    for storage_type disc/disc_only the broker opens lib/edgestore.py's
+    FlashStore at <data-dir>/retained.ebrs (edgebroker.open_store; for a
+    broker without it the launcher does the same); without lib/edgestore.py
+    the RAM store is used and a note says so;
+  - a monitor: an MQTT client subscribed to $SYS/broker/# that prints one
+    status line every --status-every seconds (heap free/alloc, which the
+    broker publishes retained every sys_interval seconds after gc.collect(),
+    clients, retained, messages, refusals). It is a real client: it takes one
+    of max_clients (--no-monitor leaves them all to others).
+
+Ctrl-C, SIGTERM and SIGHUP stop the broker cleanly (forwarded as SIGINT);
+the exit code is the broker's. `--interpreter cpython` runs the same
+launcher under CPython: no heap limit and no heap figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from edgebroker_tools import profiles, runner
+from edgebroker_tools.commands import CommandError
+from edgebroker_tools.mqttclient import Client, MqttError, parse_publish
+from edgebroker_tools.profiles import ProfileError
+
+if TYPE_CHECKING:
+    from edgebroker_tools.commands import Subparsers
+
+STORE_FILE: Final = "retained.ebrs"
+PROFILE_FILE: Final = "profile.json"
+ROMFS_FILE: Final = "romfs.img"
+MONITOR_ID: Final = "edgebroker-emulate-monitor"
+
+#: Runs under MicroPython and CPython alike. Placeholders: ROMFS (path of an
+#: image or None), PATHS (module directories), FLASH (a flash store is
+#: wanted and lib/edgestore.py exists), STORE (store file path), ARGV.
+LAUNCHER: Final = r"""
+import sys
+ROMFS = @ROMFS@
+if ROMFS:
+    import os
+    import vfs
+    _img = bytearray(os.stat(ROMFS)[6])
+    with open(ROMFS, "rb") as _f:
+        _f.readinto(_img)
+    vfs.mount(vfs.VfsRom(_img), "/rom")
+    sys.path.insert(0, "/rom")
+for _p in @PATHS@:
+    sys.path.insert(0, _p)
+import edgebroker
+if @FLASH@ and not hasattr(edgebroker, "open_store"):
+    # A broker whose main() predates open_store(): do what firmware/main.py
+    # does for disc/disc_only, a FlashStore on the board's filesystem (here a
+    # directory standing in for it).
+    import edgestore
+
+    _Base = edgebroker.Broker
+
+    class _Broker(_Base):
+        def __init__(self, cfg, store=None, clock=None, log=None):
+            _Base.__init__(self, cfg, store, clock, log)
+            if store is None:
+                self.store = edgestore.FlashStore(
+                    @STORE@, cfg["storage_type"], cfg["max_retained_messages"],
+                    clock=self.now, compact_ratio=cfg.get("compact_ratio", 0.5),
+                    compact_min_bytes=cfg.get("compact_min_bytes", 4096), log=self.log)
+
+    edgebroker.Broker = _Broker
+edgebroker.main(@ARGV@)
+"""
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 1..65535") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: expected 1..65535")
+    return port
+
+
+def _heap(text: str) -> str:
+    try:
+        runner.parse_heap(text)
+    except runner.RunnerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
+def _seconds(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: expected 0..86400") from None
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"invalid seconds {value}: expected 0..86400")
+    return value
+
+
+def _override(text: str) -> str:
+    try:
+        return runner.check_override(text)
+    except runner.RunnerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(subparsers: Subparsers) -> None:
+    """Add the `emulate` subcommand."""
+    parser = subparsers.add_parser(
+        "emulate",
+        help="run the broker with a board's heap, limits and flash store, with a heap monitor",
+        description="Run the broker under the MicroPython unix port with the board's heap "
+        "(heap_bytes), its profile and a directory standing in for its flash; print heap "
+        "figures from $SYS every few seconds. Ctrl-C or SIGTERM stops it cleanly.",
+    )
+    parser.add_argument("board", metavar="BOARD|FILE", help="board name (esp32) or profile file")
+    parser.add_argument("--port", type=_port, default=1883, help="TCP port (default: 1883)")
+    parser.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="address to bind")
+    parser.add_argument(
+        "--interpreter",
+        choices=runner.INTERPRETERS,
+        default="micropython",
+        help="micropython (default): the board's heap; cpython: no heap limit",
+    )
+    parser.add_argument(
+        "--heap", type=_heap, default=None, metavar="SIZE", help="heap instead of heap_bytes"
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="directory standing in for the board's flash (default: data/emulate/<board>)",
+    )
+    parser.add_argument("--fresh", action="store_true", help="start with an empty retained store")
+    parser.add_argument(
+        "--sys-interval",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="override the profile's sys_interval (how often heap figures are published)",
+    )
+    parser.add_argument(
+        "--status-every",
+        type=_positive,
+        default=5.0,
+        metavar="N",
+        help="seconds between status lines (default: 5)",
+    )
+    parser.add_argument(
+        "--no-monitor",
+        action="store_true",
+        help="no status lines (the monitor is an MQTT client: it takes one of max_clients)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        type=_override,
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one profile key (value parsed as JSON, else string); repeatable",
+    )
+    parser.set_defaults(handler=handle)
+
+
+# ------------------------------------------------------------------ setup
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def prepare_profile(
+    spec: str, overrides: list[str], sys_interval: int | None
+) -> tuple[str, dict[str, Any], list[str]]:
+    """(board name, effective profile, notes); CommandError for a profile that
+    fails its schema (the broker would misread it)."""
+    try:
+        path = profiles.resolve_board(spec)
+        profile = profiles.load_profile(path)
+        schema = profiles.load_schema()
+    except ProfileError as exc:
+        raise CommandError(str(exc)) from None
+    for item in overrides:
+        key, _, value = item.partition("=")
+        profile[key.strip()] = _parse_value(value)
+    if sys_interval is not None:
+        profile["sys_interval"] = sys_interval
+    name = runner.board_name(path, profile)
+    try:
+        costs: dict[str, Any] | None = profiles.load_costs()
+    except ProfileError:
+        costs = None
+    try:
+        report = profiles.check_profile(profile, schema, costs, name)
+    except ProfileError:
+        report = profiles.check_profile(profile, schema, None, name)
+    schema_errors = profiles.validate(profile, schema)
+    if schema_errors:
+        lines = "; ".join(i.text for i in schema_errors)
+        raise CommandError(f"{path}: {lines}")
+    notes = [f"config check: {i.text} (emulating anyway)" for i in report.issues]
+    return name, profiles.effective(profile, schema), notes
+
+
+def launcher_argv(
+    cfg: dict[str, Any],
+    interpreter: runner.Interpreter,
+    heap: str | None,
+    data_dir: Path,
+    port: int,
+    bind: str,
+) -> tuple[list[str], list[str]]:
+    """(argv, notes) of the broker process."""
+    notes: list[str] = []
+    lib = runner.repo_root() / "lib"
+    sources = [lib / "edgebroker.py"]
+    store_src = lib / "edgestore.py"
+    flash = cfg["storage_type"] != "ram"
+    if flash:
+        if store_src.is_file():
+            sources.append(store_src)
+        else:
+            notes.append(
+                f"lib/edgestore.py not found: storage_type {cfg['storage_type']} runs on the "
+                "RAM store"
+            )
+    profile_path = data_dir / PROFILE_FILE
+    profile_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    main_argv = [
+        "edgebroker.py",
+        "--board",
+        str(profile_path),
+        "--port",
+        str(port),
+        "--bind",
+        bind,
+        "--data-dir",
+        str(data_dir),
+    ]
+    store = str(data_dir / STORE_FILE)
+    romfs: str | None = None
+    if interpreter == "cpython":
+        paths = [str(lib)]
+        argv = [sys.executable, "-c"]
+    else:
+        mpys = [runner.compile_mpy(s) for s in sources]
+        size = runner.parse_heap(heap) if heap is not None else int(cfg["heap_bytes"])
+        if cfg["romfs"]:
+            image = build_romfs(mpys, data_dir)
+            romfs = str(image)
+            paths = []
+            # the image is read into the heap first: add its size so that
+            # the broker still finds heap_bytes (on a board it is in flash)
+            size += image.stat().st_size + 1024
+            notes.append(
+                f"romfs: bytecode runs in place from {image.name} ({image.stat().st_size} "
+                "bytes, outside the board's heap)"
+            )
+        else:
+            paths = [str(mpys[0].parent)]
+        argv = [
+            str(runner.micropython_executable()),
+            "-X",
+            f"heapsize={runner.heap_option(size)}",
+            "-c",
+        ]
+    code = (
+        LAUNCHER.replace("@ROMFS@", repr(romfs))
+        .replace("@PATHS@", repr(paths))
+        .replace("@STORE@", repr(store))
+        .replace("@FLASH@", repr(len(sources) > 1))
+        .replace("@ARGV@", repr(main_argv))
+    )
+    return [*argv, code], notes
+
+
+def build_romfs(mpys: list[Path], data_dir: Path) -> Path:
+    """A ROMFS image of the .mpy files (mpremote romfs build)."""
+    src = data_dir / "romfs-src"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir()
+    for f in mpys:
+        shutil.copy(f, src / f.name)
+    image = data_dir / ROMFS_FILE
+    mpremote = Path(sys.executable).parent / "mpremote"
+    exe = str(mpremote) if mpremote.exists() else "mpremote"
+    r = subprocess.run(
+        [exe, "romfs", "--no-mpy", "-o", str(image), "build", str(src)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    shutil.rmtree(src, ignore_errors=True)
+    if r.returncode != 0 or not image.exists():
+        raise CommandError(f"mpremote romfs build failed: {(r.stderr or r.stdout).strip()}")
+    return image
+
+
+# ---------------------------------------------------------------- monitor
+class Status:
+    """The latest $SYS/broker/... values, and the status line made of them."""
+
+    def __init__(self, board: str, cfg: dict[str, Any], interpreter: str) -> None:
+        self.board = board
+        self.cfg = cfg
+        self.interpreter = interpreter
+        self.values: dict[str, str] = {}
+
+    def update(self, topic: str, payload: bytes) -> None:
+        if topic.startswith("$SYS/broker/"):
+            self.values[topic[12:]] = payload.decode("ascii", "replace")
+
+    def line(self) -> str:
+        v = self.values
+        heap = int(self.cfg["heap_bytes"])
+        if "heap/free" in v:
+            part = f"heap free {v['heap/free']} alloc {v.get('heap/alloc', '?')} of {heap}"
+        elif self.interpreter == "cpython":
+            part = "heap n/a (cpython)"
+        elif not v:
+            si = self.cfg["sys_interval"]
+            return (
+                f"emulate {self.board}: waiting for $SYS (sys_interval {si} s)"
+                if si
+                else f"emulate {self.board}: sys_interval is 0: no $SYS figures"
+            )
+        else:
+            part = "heap ?"
+        refusals = [f"{k[9:]} {val}" for k, val in sorted(v.items()) if k.startswith("refusals/")]
+        return (
+            f"emulate {self.board}: {part} | clients {v.get('clients/connected', '?')}"
+            f"/{self.cfg['max_clients']} | retained {v.get('retained/count', '?')} "
+            f"({v.get('retained/bytes', '?')} B) | messages in {v.get('messages/received', '?')} "
+            f"out {v.get('messages/sent', '?')} dropped {v.get('messages/dropped', '?')}"
+            f" | refusals: {', '.join(refusals) if refusals else 'none'}"
+        )
+
+
+def monitor(
+    port: int,
+    status: Status,
+    every: float,
+    stop: threading.Event,
+    child: subprocess.Popen[str],
+) -> None:
+    """Print a status line every `every` seconds until stop is set or the child exits."""
+    client = Client(port, MONITOR_ID)
+    try:
+        rc = client.connect()
+        if rc != 0:
+            print(f"emulate: monitor refused (CONNACK {rc}): no status lines", flush=True)
+            return
+        client.subscribe([("$SYS/broker/#", 0)])
+    except MqttError as exc:
+        print(f"emulate: monitor: {exc}", flush=True)
+        return
+    next_line = time.monotonic() + min(every, 1.0)
+    try:
+        while not stop.is_set() and child.poll() is None:
+            left = next_line - time.monotonic()
+            if left <= 0:
+                print(status.line(), flush=True)
+                next_line = time.monotonic() + every
+                continue
+            packet = client.poll_packet(min(left, 0.2))
+            if packet is not None and packet[0] >> 4 == 3:
+                msg = parse_publish(*packet)
+                status.update(msg.topic, msg.payload)
+    except MqttError:
+        pass  # the broker stopped
+    finally:
+        client.disconnect()
+
+
+# ----------------------------------------------------------------- handler
+def handle(args: argparse.Namespace) -> int:
+    interpreter = cast(runner.Interpreter, args.interpreter)
+    name, cfg, notes = prepare_profile(
+        cast(str, args.board), cast("list[str]", args.overrides), args.sys_interval
+    )
+    data_dir = cast("Path | None", args.data_dir) or Path("data") / "emulate" / name
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            for f in (STORE_FILE, STORE_FILE + ".new", STORE_FILE + ".bad"):
+                (data_dir / f).unlink(missing_ok=True)
+    except OSError as exc:
+        raise CommandError(f"cannot prepare data dir {data_dir}: {exc.strerror or exc}") from None
+    heap = cast("str | None", args.heap)
+    if heap is not None and interpreter == "cpython":
+        notes.append("--heap is ignored with --interpreter cpython")
+    argv, more = launcher_argv(
+        cfg, interpreter, heap, data_dir, cast(int, args.port), cast(str, args.bind)
+    )
+    notes += more
+    size = heap or str(cfg["heap_bytes"])
+    where = f"heap {size} bytes" if interpreter == "micropython" else "CPython, no heap limit"
+    print(
+        f"emulate {name}: {where}, storage {cfg['storage_type']}, data {data_dir}, "
+        f"max_clients {cfg['max_clients']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    for note in notes:
+        print(f"emulate: note: {note}", file=sys.stderr, flush=True)
+    return run(argv, name, cfg, interpreter, args)
+
+
+def run(
+    argv: list[str],
+    name: str,
+    cfg: dict[str, Any],
+    interpreter: str,
+    args: argparse.Namespace,
+) -> int:
+    """Start the broker, echo its stdout, run the monitor, forward stop signals."""
+    stop = threading.Event()
+    listening = threading.Event()
+    child: subprocess.Popen[str] | None = None
+    received = 0
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        nonlocal received
+        received += 1
+        stop.set()
+        if child is None or child.poll() is not None:
+            return
+        if received >= 3:
+            child.kill()
+        else:
+            child.send_signal(signal.SIGINT)
+
+    previous = {sig: signal.signal(sig, forward) for sig in runner.FORWARDED_SIGNALS}
+    try:
+        try:
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                text=True,
+                process_group=0,
+            )
+        except OSError as exc:
+            raise CommandError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+        if received:
+            child.send_signal(signal.SIGINT)
+
+        def echo() -> None:
+            assert child is not None and child.stdout is not None
+            for line in child.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if line.startswith("edgebroker listening on"):
+                    listening.set()
+
+        reader = threading.Thread(target=echo, daemon=True)
+        reader.start()
+        if not args.no_monitor:
+            while not listening.wait(0.1):
+                if child.poll() is not None or stop.is_set():
+                    break
+            if listening.is_set() and not stop.is_set():
+                status = Status(name, cfg, interpreter)
+                monitor(cast(int, args.port), status, cast(float, args.status_every), stop, child)
+        code = child.wait()
+        reader.join(2.0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(OSError):
+                child.kill()
+            child.wait(5)
+    return 128 - code if code < 0 else code

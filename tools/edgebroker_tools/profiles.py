@@ -1,0 +1,723 @@
+"""Board profiles: schema validation, defaults, patches and the cross-key checks.
+
+    schema = load_schema()
+    costs = load_costs()
+    report = check_profile(profile, schema, costs, name="esp32")
+    report.errors       # [Issue(key, text)], all of them, not just the first
+    report.heap         # the worst-case heap, item by item (HeapItem)
+
+The schema is boards/schema.json (JSON Schema draft 2020-12). Only the
+subset it uses is implemented here (no new dependency): type, enum,
+minimum/maximum, minLength/maxLength, pattern, properties,
+additionalProperties (false or a schema), maxProperties. One deliberate
+difference: 4.0 is not an "integer" (the broker would get a float). Custom
+keywords: x-unit, x-consequence, x-group, x-read-by (the reference page
+shows them).
+
+The cross-key checks (sockets, flash, heap, code) and the models behind
+them are described in MODEL_TEXT, which docs/board-reference.md repeats, so
+that the page and the code cannot disagree.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from edgebroker_tools import runner
+
+Profile = dict[str, Any]
+Schema = dict[str, Any]
+Level = Literal["error", "warning"]
+
+#: Flash store facts (lib/edgestore.py, FORMAT): a PUT record is 29 bytes plus
+#: topic, properties and payload; the file starts with an 8-byte header; a
+#: CLOCK record is 17 bytes. littlefs allocates whole blocks (4 KB on ESP32
+#: and RP2), so each of the two files (store and .new) may waste up to one.
+PUT_OVERHEAD: Final = 29
+FILE_HEADER: Final = 8
+CLOCK_RECORD: Final = 17
+FS_BLOCK: Final = 4096
+
+#: edgestore's index grows in chunks of this many slots (its _CH).
+INDEX_CHUNK: Final = 256
+
+#: $SYS/broker/refusals/<cause> topics the heap check allows for (each one a
+#: retained $SYS message). The base set is measured (sys_retained).
+SYS_REFUSAL_TOPICS: Final = 6
+
+
+class ProfileError(Exception):
+    """A profile, schema or cost file that cannot be read (one line, no traceback)."""
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One finding: the key it is about and a sentence naming value and allowed range."""
+
+    key: str
+    text: str
+    level: Level = "error"
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.text}"
+
+
+@dataclass(frozen=True)
+class HeapItem:
+    """One line of the worst-case heap sum."""
+
+    name: str
+    bytes: int
+    how: str
+
+
+@dataclass
+class Report:
+    """What check_profile found."""
+
+    name: str
+    profile: Profile
+    issues: list[Issue] = field(default_factory=list)
+    heap: list[HeapItem] = field(default_factory=list)
+    flash: list[HeapItem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Issue]:
+        return [i for i in self.issues if i.level == "error"]
+
+    @property
+    def warnings(self) -> list[Issue]:
+        return [i for i in self.issues if i.level == "warning"]
+
+    @property
+    def heap_total(self) -> int:
+        return sum(item.bytes for item in self.heap)
+
+    @property
+    def flash_total(self) -> int:
+        return sum(item.bytes for item in self.flash)
+
+    def error(self, key: str, text: str) -> None:
+        self.issues.append(Issue(key, text, "error"))
+
+    def warn(self, key: str, text: str) -> None:
+        self.issues.append(Issue(key, text, "warning"))
+
+
+# ------------------------------------------------------------------ files
+def boards_dir() -> Path:
+    return runner.repo_root() / "boards"
+
+
+def schema_path() -> Path:
+    return boards_dir() / "schema.json"
+
+
+def costs_path() -> Path:
+    return boards_dir() / "memory_costs.json"
+
+
+#: Files in boards/ that are not board profiles.
+NOT_PROFILES: Final = frozenset({"schema.json", "memory_costs.json", "secrets.json"})
+
+
+def board_files() -> list[Path]:
+    """Every committed board profile: boards/*.json except the schema and costs."""
+    return sorted(p for p in boards_dir().glob("*.json") if p.name not in NOT_PROFILES)
+
+
+def resolve_board(spec: str) -> Path:
+    """A board name (esp32 -> boards/esp32.json) or a path to a profile file."""
+    path = Path(spec)
+    if path.suffix == ".json" or "/" in spec or path.exists():
+        if path.exists() or path.is_absolute():
+            return path
+        in_repo = runner.repo_root() / path
+        return in_repo if in_repo.exists() else path
+    candidate = boards_dir() / f"{spec}.json"
+    if candidate.exists() and candidate.name not in NOT_PROFILES:
+        return candidate
+    known = ", ".join(p.stem for p in board_files())
+    raise ProfileError(f"unknown board {spec!r}: expected a file or one of {known}")
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise ProfileError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(
+            f"{what} {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+        ) from None
+
+
+def load_profile(path: Path) -> Profile:
+    data = _read_json(path, "board profile")
+    if not isinstance(data, dict):
+        raise ProfileError(f"board profile {path} must hold a JSON object, not {_jtype(data)}")
+    return data
+
+
+def load_schema(path: Path | None = None) -> Schema:
+    data = _read_json(path or schema_path(), "schema")
+    if not isinstance(data, dict) or not isinstance(data.get("properties"), dict):
+        raise ProfileError(f"schema {path or schema_path()} has no properties")
+    return data
+
+
+def load_costs(path: Path | None = None) -> dict[str, Any]:
+    target = path or costs_path()
+    try:
+        data = _read_json(target, "memory cost file")
+    except ProfileError as exc:
+        raise ProfileError(f"{exc} (run `make measure-memory`)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("costs"), dict):
+        raise ProfileError(f"memory cost file {target} has no costs (run `make measure-memory`)")
+    return data
+
+
+# ------------------------------------------------------------ validation
+def _jtype(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _type_ok(value: Any, want: str) -> bool:
+    # Stricter than JSON Schema in one place: 4.0 is not an integer here, since
+    # the broker would get a float where it calls bytearray(n) or range(n).
+    got = _jtype(value)
+    if want == "number":
+        return got in ("integer", "number")
+    return got == want
+
+
+def show(value: Any) -> str:
+    """A value as it would be written in the profile (JSON)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _unit(sub: Mapping[str, Any]) -> str:
+    unit = sub.get("x-unit")
+    if isinstance(unit, str) and unit not in ("bool", "enum", "name"):
+        return f" {unit}"
+    return ""
+
+
+def validate_value(key: str, value: Any, sub: Mapping[str, Any]) -> list[Issue]:
+    """Schema checks for one key; every failure is its own Issue."""
+    issues: list[Issue] = []
+    shown = f"{key} = {show(value)}"
+    want = sub.get("type")
+    if isinstance(want, str) and not _type_ok(value, want):
+        article = "an" if want[0] in "aeiou" else "a"
+        issues.append(Issue(key, f"{shown}: must be {article} {want}, not {_jtype(value)}"))
+        return issues
+    enum = sub.get("enum")
+    if isinstance(enum, list) and value not in enum:
+        allowed = ", ".join(show(v) for v in enum)
+        issues.append(Issue(key, f"{shown}: must be one of {allowed}"))
+    if _jtype(value) in ("integer", "number"):
+        lo = sub.get("minimum")
+        hi = sub.get("maximum")
+        span = _range_text(sub)
+        if (isinstance(lo, (int, float)) and value < lo) or (
+            isinstance(hi, (int, float)) and value > hi
+        ):
+            issues.append(Issue(key, f"{shown}: must be {span}{_unit(sub)}"))
+    if isinstance(value, str):
+        n = len(value.encode("utf-8"))
+        lo_len = sub.get("minLength")
+        hi_len = sub.get("maxLength")
+        if isinstance(lo_len, int) and len(value) < lo_len:
+            issues.append(Issue(key, f"{shown}: must be at least {lo_len} characters"))
+        if isinstance(hi_len, int) and n > hi_len:
+            issues.append(Issue(key, f"{shown}: must be at most {hi_len} bytes"))
+        pattern = sub.get("pattern")
+        if isinstance(pattern, str) and re.search(pattern, value) is None:
+            issues.append(Issue(key, f"{shown}: must match {pattern}"))
+    if isinstance(value, dict):
+        most = sub.get("maxProperties")
+        if isinstance(most, int) and len(value) > most:
+            issues.append(Issue(key, f"{key}: {len(value)} entries, must be at most {most}"))
+        props = sub.get("properties")
+        props = props if isinstance(props, dict) else {}
+        extra = sub.get("additionalProperties", True)
+        for name, item in value.items():
+            child = f"{key}.{name}"
+            if name in props:
+                issues += validate_value(child, item, props[name])
+            elif extra is False:
+                issues.append(Issue(child, f"{child}: unknown key"))
+            elif isinstance(extra, dict):
+                issues += validate_value(child, item, extra)
+    return issues
+
+
+def _range_text(sub: Mapping[str, Any]) -> str:
+    lo = sub.get("minimum")
+    hi = sub.get("maximum")
+    if lo is not None and hi is not None:
+        return f"{_num(lo)}..{_num(hi)}"
+    if lo is not None:
+        return f">= {_num(lo)}"
+    if hi is not None:
+        return f"<= {_num(hi)}"
+    return "any"
+
+
+def _num(v: Any) -> str:
+    return show(v)
+
+
+def validate(profile: Mapping[str, Any], schema: Schema) -> list[Issue]:
+    """Every schema violation of a profile: unknown keys, types, ranges, enums."""
+    props: dict[str, Any] = schema["properties"]
+    issues: list[Issue] = []
+    for key, value in profile.items():
+        sub = props.get(key)
+        if sub is None:
+            hint = difflib.get_close_matches(key, list(props), n=1)
+            more = f" (did you mean {hint[0]}?)" if hint else ""
+            issues.append(Issue(key, f"{key} = {show(value)}: unknown key{more}"))
+            continue
+        issues += validate_value(key, value, sub)
+    return issues
+
+
+def defaults(schema: Schema) -> Profile:
+    """Every key with its default, in schema order."""
+    out: Profile = {}
+    for key, sub in schema["properties"].items():
+        out[key] = json.loads(json.dumps(sub.get("default")))
+    return out
+
+
+def effective(profile: Mapping[str, Any], schema: Schema) -> Profile:
+    """The profile with defaults filled in, in schema order (unknown keys last)."""
+    out = defaults(schema)
+    for key, value in profile.items():
+        out[key] = value
+    return out
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON Merge Patch: objects merge recursively, null removes a key."""
+    if not isinstance(patch, dict):
+        return patch
+    result: dict[str, Any] = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+# ------------------------------------------------------------- the models
+MODEL_TEXT: Final = """\
+### Sockets
+
+    max_clients <= sockets - 1 (the listener) - spare_sockets
+    backlog     <= sockets - 1
+
+### Code
+
+    code = import cost of lib/edgebroker.py (+ lib/edgestore.py unless storage_type is ram)
+           .mpy from the filesystem (bytecode in RAM) when romfs is false,
+           the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true
+    code <= code_budget_bytes
+    fs_reserve_bytes >= the .mpy files' size when romfs is false (they live on the filesystem)
+
+### Heap
+
+The worst case the broker can reach with the profile's counts, with live
+messages sized by typical_topic_bytes and typical_payload_bytes (the
+broker bounds how many messages it holds, not their size). Every cost is
+measured (boards/memory_costs.json, `make measure-memory`) on the 64-bit
+MicroPython unix port and used as it is: on a 32-bit board objects are
+smaller, so the sum is conservative there, and `edgebroker emulate`, which
+runs that same interpreter with exactly heap_bytes, tests it.
+
+    message   = message_overhead + typical_payload_bytes + 2 x typical_topic_bytes
+                (a queued or inflight QoS 1/2 message: the queue entry, the message
+                tuple, the payload, the topic as str and as bytes)
+    client    = per_connection
+              + max_subscriptions x per_subscription
+              + (max_inflight + max_queued + 1 will) x message
+              + max_outbuf + max_packet_size   (output buffer: held back past max_outbuf,
+                                                one packet may go over)
+              + max_packet_size                (an inbound packet still incomplete)
+    session   = per_offline_session + max_subscriptions x per_subscription
+              + (max_inflight + max_queued) x message
+    retained  = ram, disc:  store fixed + n x (overhead + max_topic_length)
+                            + min(store_budget_bytes, n x (max_payload_size + max_topic_length))
+                disc_only:  store fixed + n x per_message (the index only), n rounded up
+                            to the index chunk (256)
+                n = max_retained_messages (0: store_budget_bytes / 2, every message at
+                least 2 bytes)
+    heap      = code
+              + broker_idle + sys_retained (+ 6 refusal topics) when sys_interval > 0
+              + io_chunk
+              + 2 x max_packet_size            (the packet being parsed: assembly + payload copy)
+              + max_clients x client
+              + max_sessions x session
+              + retained
+              + heap_reserve
+    heap <= heap_bytes
+
+### Flash (storage_type disc and disc_only)
+
+The store appends records and compacts when dead bytes pass compact_ratio
+of the file (lib/edgestore.py, commit()), so just before a compaction the
+file holds live / (1 - compact_ratio) bytes, and the compaction writes a
+second copy of the live records to <file>.new before the rename.
+
+    live   = 8 (header) + store_budget_bytes + n x 29 (record headers) + 17 (clock record)
+    file   = max(live / (1 - compact_ratio), compact_min_bytes + live)
+             + max_clients x (io_chunk + max_packet_size)   (one loop's writes before the check)
+    peak   = file + live (.new) + 2 x 4096 (littlefs blocks)
+    peak + fs_reserve_bytes <= fs_bytes
+    store_budget_bytes > 0
+"""
+
+
+def _cost(costs: Mapping[str, Any], *path: str) -> int:
+    node: Any = costs["costs"]
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            raise ProfileError(
+                f"memory cost file has no {'.'.join(path)} (run `make measure-memory`)"
+            )
+        node = node[part]
+    if not isinstance(node, int):
+        raise ProfileError(f"memory cost {'.'.join(path)} is not an integer")
+    return node
+
+
+def modules_for(cfg: Mapping[str, Any]) -> list[str]:
+    return ["edgebroker"] if cfg["storage_type"] == "ram" else ["edgebroker", "edgestore"]
+
+
+def retained_count(cfg: Mapping[str, Any]) -> int | None:
+    """How many retained messages the store can hold, or None when unbounded."""
+    n = int(cfg["max_retained_messages"])
+    if n:
+        return n
+    budget = int(cfg["store_budget_bytes"])
+    return budget // 2 if budget else None
+
+
+def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[HeapItem]:
+    """The worst-case heap of an effective profile, item by item (MODEL_TEXT, Heap)."""
+    items: list[HeapItem] = []
+    mods = modules_for(cfg)
+    kind = "import_romfs" if cfg["romfs"] else "import_mpy"
+    code = sum(_cost(costs, kind, m) for m in mods)
+    where = "ROMFS" if cfg["romfs"] else ".mpy in RAM"
+    items.append(HeapItem("code", code, f"{' + '.join(mods)} ({where})"))
+
+    idle = _cost(costs, "broker_idle")
+    if cfg["sys_interval"]:
+        sys_set = _cost(costs, "sys_retained")
+        per_topic = -(-sys_set // 10)
+        idle += sys_set + SYS_REFUSAL_TOPICS * per_topic
+        items.append(HeapItem("broker", idle, "idle broker + $SYS retained set"))
+    else:
+        items.append(HeapItem("broker", idle, "idle broker ($SYS off)"))
+    items.append(HeapItem("io_chunk", int(cfg["io_chunk"]), "shared receive buffer"))
+    packet = int(cfg["max_packet_size"])
+    items.append(HeapItem("parsing", 2 * packet, "2 x max_packet_size"))
+
+    msg = (
+        _cost(costs, "message_overhead")
+        + int(cfg["typical_payload_bytes"])
+        + 2 * int(cfg["typical_topic_bytes"])
+    )
+    subs = int(cfg["max_subscriptions"]) * _cost(costs, "per_subscription")
+    window = int(cfg["max_inflight"]) + int(cfg["max_queued"])
+    client = (
+        _cost(costs, "per_connection")
+        + subs
+        + (window + 1) * msg
+        + int(cfg["max_outbuf"])
+        + 2 * packet
+    )
+    n_clients = int(cfg["max_clients"])
+    items.append(
+        HeapItem(
+            "clients",
+            n_clients * client,
+            f"{n_clients} x {client} (connection, {cfg['max_subscriptions']} subscriptions, "
+            f"{window + 1} messages of {msg}, output buffer, inbound packet)",
+        )
+    )
+    session = _cost(costs, "per_offline_session") + subs + window * msg
+    n_sessions = int(cfg["max_sessions"])
+    items.append(
+        HeapItem(
+            "sessions",
+            n_sessions * session,
+            f"{n_sessions} offline x {session} (subscriptions, {window} messages)",
+        )
+    )
+
+    store = str(cfg["storage_type"])
+    n = retained_count(cfg)
+    if not cfg["retain_available"]:
+        items.append(HeapItem("retained", 0, "retain_available is false"))
+    elif n is None:
+        items.append(HeapItem("retained", 0, "unbounded (see errors)"))
+    elif store == "disc_only":
+        slots = -(-n // INDEX_CHUNK) * INDEX_CHUNK
+        fixed = _cost(costs, "retained", store, "fixed")
+        per = _cost(costs, "retained", store, "per_message")
+        items.append(HeapItem("retained", fixed + slots * per, f"index of {slots} slots x {per}"))
+    else:
+        fixed = _cost(costs, "retained", store, "fixed")
+        over = _cost(costs, "retained", store, "overhead")
+        topic = int(cfg["max_topic_length"])
+        data = n * (int(cfg["max_payload_size"]) + topic)
+        budget = int(cfg["store_budget_bytes"])
+        if budget:
+            data = min(data, budget)
+        total = fixed + n * (over + topic) + data
+        items.append(
+            HeapItem("retained", total, f"{n} messages in RAM ({store}): {data} data bytes")
+        )
+    items.append(HeapItem("heap_reserve", int(cfg["heap_reserve"]), "kept free"))
+    return items
+
+
+def flash_breakdown(cfg: Mapping[str, Any]) -> list[HeapItem]:
+    """Peak filesystem use of the flash store (MODEL_TEXT, Flash); [] for ram."""
+    if cfg["storage_type"] == "ram":
+        return []
+    n = retained_count(cfg) or 0
+    live = FILE_HEADER + int(cfg["store_budget_bytes"]) + n * PUT_OVERHEAD + CLOCK_RECORD
+    ratio = float(cfg["compact_ratio"])
+    grown = max(math.ceil(live / (1 - ratio)), int(cfg["compact_min_bytes"]) + live)
+    group = int(cfg["max_clients"]) * (int(cfg["io_chunk"]) + int(cfg["max_packet_size"]))
+    return [
+        HeapItem("file", grown, f"live {live} / (1 - {ratio}) before compaction"),
+        HeapItem("writes", group, "one loop's writes before the compaction check"),
+        HeapItem(".new", live, "compaction copy"),
+        HeapItem("blocks", 2 * FS_BLOCK, "littlefs block rounding"),
+        HeapItem("fs_reserve_bytes", int(cfg["fs_reserve_bytes"]), "code, firmware, profile"),
+    ]
+
+
+def check_profile(
+    profile: Mapping[str, Any],
+    schema: Schema,
+    costs: Mapping[str, Any] | None,
+    name: str = "",
+) -> Report:
+    """Schema validation plus every cross-key check; all issues, not just the first."""
+    cfg = effective(profile, schema)
+    board = name or str(cfg.get("board"))
+    report = Report(board, cfg)
+    report.issues += validate(profile, schema)
+    # the cross checks run on well-typed values: a check is skipped when a key
+    # it reads failed the schema (unknown keys do not matter to them)
+    bad = {i.key.split(".")[0] for i in report.errors} & set(schema["properties"])
+
+    def ok(*keys: str) -> bool:
+        return not bad.intersection(keys)
+
+    on = f" on {board}"
+
+    # -- sockets
+    if ok("max_clients", "sockets", "spare_sockets"):
+        sockets = int(cfg["sockets"])
+        spare = int(cfg["spare_sockets"])
+        room = sockets - 1 - spare
+        if cfg["max_clients"] > room:
+            report.error(
+                "max_clients",
+                f"max_clients = {cfg['max_clients']}: must be <= {room} "
+                f"(sockets {sockets} - listener 1 - spare {spare}){on}",
+            )
+    if ok("backlog", "sockets") and cfg["backlog"] > cfg["sockets"] - 1:
+        report.error(
+            "backlog",
+            f"backlog = {cfg['backlog']}: must be <= {cfg['sockets'] - 1} "
+            f"(sockets {cfg['sockets']} - listener 1){on}",
+        )
+
+    # -- sizes that must be consistent
+    if (
+        ok("typical_topic_bytes", "max_topic_length")
+        and cfg["typical_topic_bytes"] > cfg["max_topic_length"]
+    ):
+        report.error(
+            "typical_topic_bytes",
+            f"typical_topic_bytes = {cfg['typical_topic_bytes']}: must be <= "
+            f"max_topic_length {cfg['max_topic_length']}",
+        )
+    if (
+        ok("typical_topic_bytes", "typical_payload_bytes", "max_packet_size")
+        and cfg["typical_topic_bytes"] + cfg["typical_payload_bytes"] + 7 > cfg["max_packet_size"]
+    ):
+        report.error(
+            "typical_payload_bytes",
+            f"typical_payload_bytes = {cfg['typical_payload_bytes']}: a typical message "
+            f"(+ topic {cfg['typical_topic_bytes']} + 7 header bytes) must fit "
+            f"max_packet_size {cfg['max_packet_size']}",
+        )
+    if (
+        ok("retain_available", "max_payload_size", "max_packet_size")
+        and cfg["retain_available"]
+        and cfg["max_payload_size"] > cfg["max_packet_size"]
+    ):
+        report.warn(
+            "max_payload_size",
+            f"max_payload_size = {cfg['max_payload_size']}: larger than max_packet_size "
+            f"{cfg['max_packet_size']}, so no retained payload can reach it",
+        )
+    if ok("watchdog_ms") and 0 < int(cfg["watchdog_ms"]) < 1000:
+        report.error(
+            "watchdog_ms",
+            f"watchdog_ms = {cfg['watchdog_ms']}: must be 0 (off) or >= 1000 "
+            "(the loop feeds it once a second)",
+        )
+
+    if bad:
+        report.notes.append("code, flash and heap checks skipped until the errors above are fixed")
+        return report
+    if costs is None:
+        report.notes.append("no memory cost file: heap and code checks skipped")
+        return report
+    _check_code(report, cfg, costs, on)
+    _check_flash(report, cfg, on)
+    _check_heap(report, cfg, costs, on)
+    return report
+
+
+def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:
+    mods = modules_for(cfg)
+    kind = "import_romfs" if cfg["romfs"] else "import_mpy"
+    parts = [(m, _cost(costs, kind, m)) for m in mods]
+    code = sum(c for _, c in parts)
+    budget = int(cfg["code_budget_bytes"])
+    if code > budget:
+        detail = " + ".join(f"{m} {c}" for m, c in parts)
+        where = "from ROMFS" if cfg["romfs"] else "as .mpy in RAM (romfs false)"
+        report.error(
+            "code_budget_bytes",
+            f"code_budget_bytes = {budget}: must be >= {code}, the code {where} ({detail}){on}",
+        )
+    if not cfg["romfs"]:
+        files = [(m, _cost(costs, "mpy_file_bytes", m)) for m in mods]
+        size = sum(c for _, c in files)
+        if cfg["fs_reserve_bytes"] < size:
+            report.error(
+                "fs_reserve_bytes",
+                f"fs_reserve_bytes = {cfg['fs_reserve_bytes']}: must be >= {size}, the .mpy "
+                f"files on the filesystem (romfs false){on}",
+            )
+        if cfg["fs_bytes"] < cfg["fs_reserve_bytes"]:
+            report.error(
+                "fs_bytes",
+                f"fs_bytes = {cfg['fs_bytes']}: must be >= fs_reserve_bytes "
+                f"{cfg['fs_reserve_bytes']}{on}",
+            )
+    # importing needs more than what stays: the first module's load peak
+    peak = 0
+    kept = 0
+    for m in mods:
+        need = kept + _cost(costs, "min_heap_import_mpy", m)
+        peak = max(peak, need)
+        kept += _cost(costs, "import_mpy", m)
+    if not cfg["romfs"] and peak > cfg["heap_bytes"]:
+        report.error(
+            "heap_bytes",
+            f"heap_bytes = {cfg['heap_bytes']}: importing the .mpy build needs {peak}{on}",
+        )
+
+
+def _check_flash(report: Report, cfg: Profile, on: str) -> None:
+    if cfg["storage_type"] == "ram" or not cfg["retain_available"]:
+        return
+    store = cfg["storage_type"]
+    if not cfg["store_budget_bytes"]:
+        report.error(
+            "store_budget_bytes",
+            f"store_budget_bytes = 0: must be > 0 with storage_type {show(store)} "
+            f"(0 = no limit: the store could fill the filesystem)",
+        )
+        return
+    report.flash = flash_breakdown(cfg)
+    need = report.flash_total
+    fs = int(cfg["fs_bytes"])
+    if need > fs:
+        store_part = need - int(cfg["fs_reserve_bytes"])
+        ratio = float(cfg["compact_ratio"])
+        report.error(
+            "store_budget_bytes",
+            f"store_budget_bytes = {cfg['store_budget_bytes']}: the store's flash peak "
+            f"{store_part} (live / (1 - compact_ratio {ratio}) + .new copy) + fs_reserve_bytes "
+            f"{cfg['fs_reserve_bytes']} = {need} must be <= fs_bytes {fs}{on}",
+        )
+
+
+def _check_heap(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:
+    if cfg["retain_available"] and retained_count(cfg) is None:
+        report.error(
+            "max_retained_messages",
+            "max_retained_messages = 0 and store_budget_bytes = 0: the retained store is "
+            "unbounded; set either",
+        )
+    report.heap = heap_breakdown(cfg, costs)
+    total = report.heap_total
+    heap = int(cfg["heap_bytes"])
+    if total > heap:
+        big = sorted(report.heap, key=lambda i: -i.bytes)[:3]
+        top = ", ".join(f"{i.name} {i.bytes}" for i in big)
+        report.error(
+            "heap_bytes",
+            f"heap_bytes = {heap}: the worst-case heap is {total}, {total - heap} over{on} "
+            f"(largest: {top}; lower max_clients, max_subscriptions, max_inflight, "
+            f"max_queued, max_sessions or the retained limits)",
+        )
+    lib = runner.repo_root() / "lib"
+    measured = costs.get("lib_sha256")
+    if isinstance(measured, dict):
+        import hashlib
+
+        for fname, digest in measured.items():
+            f = lib / str(fname)
+            if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() != digest:
+                report.notes.append(
+                    f"memory costs were measured for another lib/{fname}: "
+                    "`make measure-memory` refreshes them"
+                )
+
+
+def issues_text(issues: Iterable[Issue]) -> list[str]:
+    return [str(i) for i in issues]
