@@ -167,7 +167,7 @@ _RC_RETAIN_UNSUPPORTED = const(0x9A)
 _RC_QOS_UNSUPPORTED = const(0x9B)
 _RC_SHARED_UNSUPPORTED = const(0x9E)
 
-# 3.1.1 _CONNACK return codes (3.2.2.3)
+# 3.1.1 CONNACK return codes (3.2.2.3)
 _RC3_BAD_VERSION = const(1)
 _RC3_BAD_ID = const(2)
 _RC3_UNAVAILABLE = const(3)
@@ -211,7 +211,7 @@ _T_PAIR = const(7)
 # Wire type of each property id (index = id, 0 = no such property): a
 # 43-byte table instead of a dict, which costs more heap.
 _PROP_TYPES = b'\x00\x01\x03\x05\x00\x00\x00\x00\x05\x06\x00\x04\x00\x00\x00\x00\x00\x03\x05\x02\x00\x05\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01'
-# Properties a _PUBLISH carries to subscribers unchanged (3.3.2.3); Message
+# Properties a PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
 _FORWARDED = (_P_PAYLOAD_FORMAT, _P_CONTENT_TYPE, _P_RESPONSE_TOPIC,
@@ -271,7 +271,7 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 class MqttError(Exception):
     """A protocol violation: the connection ends with this reason code
-    (5.0 _DISCONNECT) or is closed (3.1.1). Raised only from handlers."""
+    (5.0 DISCONNECT) or is closed (3.1.1). Raised only from handlers."""
 
     def __init__(self, code, text):
         self.code = code
@@ -379,7 +379,7 @@ def read_str(b, i, end):
 
 def read_props(b, i, end):
     """Properties (2.2.2): returns (dict id -> value, raw forwardable bytes,
-    next index). User Properties collect in a list under _P_USER; a repeated
+    next index). User Properties collect in a list under P_USER; a repeated
     property that may appear once is a Protocol Error."""
     plen, i = read_vbi(b, i, end)
     stop = i + plen
@@ -803,14 +803,14 @@ class Session:
         self.inflight = []   # [pid, msg, qos, retain, sids, released], send order
         self.queue = []      # [msg, qos, retain, sids], oldest first
         self.rq = []         # pending retained deliveries: [iterator, opts, sid, filter]
-        self.in2 = {}        # inbound QoS 2 pids awaiting _PUBREL (MQTT-4.3.3-x)
+        self.in2 = {}        # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
         self.pid = 0
         self.expiry = 0      # Session Expiry Interval, seconds
         self.gone = 0        # broker seconds when the last connection closed
 
 
 class Conn:
-    """One network connection; `sess` is set once _CONNECT is accepted."""
+    """One network connection; `sess` is set once CONNECT is accepted."""
 
     def __init__(self, sock, key, now):
         self.sock = sock
@@ -915,7 +915,7 @@ class Broker:
             o.extend(data)
 
     def send_ack(self, conn, data):
-        # _PUBACK/_PUBREC leave in the order the PUBLISHes came (4.6); once one
+        # PUBACK/PUBREC leave in the order the PUBLISHes came (4.6); once one
         # waits for a durable commit, the ones after it wait too.
         if conn.defer is not None:
             conn.defer.append(data)
@@ -923,14 +923,14 @@ class Broker:
             self.write(conn, data)
 
     def disconnect(self, conn, code, text=None):
-        """Ends a connection for a protocol reason: 5.0 _DISCONNECT with the
+        """Ends a connection for a protocol reason: 5.0 DISCONNECT with the
         reason code (MQTT-4.13.1-1), 3.1.1 just closes."""
         if conn.closed:
             return
         if conn.ver == 5 and code is not None:
             p = prop_str(_P_REASON_STRING, text) if text and conn.problem else b""
             if conn.sess is None:
-                # a refused _CONNECT is answered by _CONNACK (MQTT-3.2.2-7)
+                # a refused CONNECT is answered by CONNACK (MQTT-3.2.2-7)
                 body = bytes((0, code)) + vbi(len(p)) + p
                 self.write(conn, packet(_CONNACK, 0, body))
             else:
@@ -984,7 +984,7 @@ class Broker:
         conn.last = self.now_s
         if conn.sess is None:
             if ptype != _CONNECT:
-                # MQTT-3.1.0-1: the first packet must be _CONNECT
+                # MQTT-3.1.0-1: the first packet must be CONNECT
                 raise MqttError(_RC_PROTOCOL, "first packet is not _CONNECT")
             return self.on_connect(conn, flags, b, i, end)
         if ptype == _PUBLISH:
@@ -1014,14 +1014,14 @@ class Broker:
         if ptype == _CONNECT:
             raise MqttError(_RC_PROTOCOL, "second _CONNECT")  # MQTT-3.1.0-2
         if ptype == _AUTH and conn.ver == 5:
-            # No Authentication Method was accepted in _CONNECT, so any _AUTH
+            # No Authentication Method was accepted in CONNECT, so any AUTH
             # is a Protocol Error (4.12): enhanced auth is not supported.
             raise MqttError(_RC_PROTOCOL, "_AUTH not supported")
         if ptype == 0:
             raise MqttError(_RC_MALFORMED, "reserved packet type 0")
         raise MqttError(_RC_PROTOCOL, "packet type %d not sent by clients" % ptype)
 
-    # ------------------------------------------------------------ _CONNECT
+    # ------------------------------------------------------------ CONNECT
     def on_connect(self, conn, flags, b, i, end):
         if flags:
             raise MqttError(_RC_MALFORMED, "_CONNECT reserved flags")
@@ -1156,7 +1156,7 @@ class Broker:
         if will is not None:
             wt, wp, wq, wf, we, wr, wd = will
             conn.will = (self.make_msg(wt, wp, wq, wf, we), wr, wd)
-        # -- _CONNACK (3.2)
+        # -- CONNACK (3.2)
         if v5:
             p = bytearray()
             if capped:
@@ -1178,7 +1178,7 @@ class Broker:
         else:
             self.write(conn, bytes((0x20, 2, 1 if present else 0, 0)))
         self.log("debug", "connected %s v%d", cid, level)
-        # MQTT-4.4.0-1: resend unacknowledged _PUBLISH (DUP=1) and _PUBREL
+        # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL
         for ent in sess.inflight:
             if ent[5]:
                 self.write(conn, bytes((0x62, 2)) + u16(ent[0]))
@@ -1259,7 +1259,7 @@ class Broker:
                 self.wills.remove(w)
                 return
 
-    # ------------------------------------------------------------ _PUBLISH
+    # ------------------------------------------------------------ PUBLISH
     def make_msg(self, topic, payload, qos, fwd, exp_interval):
         exp = self.now_s + exp_interval if exp_interval else 0
         return (topic, topic.encode(), payload, qos, fwd, exp, 1 if exp_interval else 0)
@@ -1307,23 +1307,24 @@ class Broker:
         payload = bytes(b[i:end])
         self.n_in += 1
         sess = conn.sess
+        if topic[:4] == "$SYS":
+            # $SYS belongs to the broker: a client cannot publish there. 5.0
+            # refuses with 0x87, which ends a QoS 2 exchange at PUBREC (4.3.3)
+            self.refuse("sys_publish", "client %s published to %s", conn.cid, topic)
+            if qos:
+                body = u16(pid) + (b"\x87" if conn.ver == 5 else b"")
+                self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, len(body))) + body)
+            return
         if qos == 2:
             in2 = sess.in2
             if pid in in2:
-                # MQTT-4.3.3-10: a resent _PUBLISH (DUP) before _PUBREL is not
-                # delivered again; answer with _PUBREC once more
+                # MQTT-4.3.3-10: a resent PUBLISH (DUP) before PUBREL is not
+                # delivered again; answer with PUBREC once more
                 self.send_ack(conn, bytes((0x50, 2)) + u16(pid))
                 return
             if len(in2) >= self.max_inflight:
                 raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
             in2[pid] = 1
-        if topic[:4] == "$SYS":
-            # $SYS belongs to the broker: a client cannot publish there
-            self.refuse("sys_publish", "client %s published to %s", conn.cid, topic)
-            if qos:
-                self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, 3)) + u16(pid) + b"\x87"
-                              if conn.ver == 5 else bytes((0x40 if qos == 1 else 0x50, 2)) + u16(pid))
-            return
         msg = (topic, tb if tb is not None else topic.encode(), payload, qos, fwd,
                self.now_s + exp if exp else 0, 1 if exp else 0)
         wait = self.publish(msg, retain, sess)
@@ -1492,7 +1493,7 @@ class Broker:
                 return pid
 
     def encode_publish(self, conn, msg, qos, retain, pid, sids, dup):
-        """Writes one _PUBLISH straight into the connection's buffer. Returns
+        """Writes one PUBLISH straight into the connection's buffer. Returns
         False if it was not sent: expired (E1, MQTT-3.3.2-5) or larger than
         the client's Maximum Packet Size (MQTT-3.1.2-25, D8)."""
         exp = msg[_M_EXP]
@@ -1576,7 +1577,7 @@ class Broker:
         rc = b[i] if i < end else 0
         sess = conn.sess
         if ptype == _PUBREL:
-            # MQTT-4.3.3-11: release the packet id, answer _PUBCOMP
+            # MQTT-4.3.3-11: release the packet id, answer PUBCOMP
             if sess.in2.pop(pid, None) is None and conn.ver == 5:
                 self.write(conn, bytes((0x70, 3)) + u16(pid) + bytes((_RC_PID_NOT_FOUND,)))
             else:
@@ -1600,19 +1601,19 @@ class Broker:
             if e[2] != 2:
                 raise MqttError(_RC_PROTOCOL, "_PUBREC for a QoS 1 message")
             if rc >= 0x80:
-                inflight.pop(k)  # 4.3.3: an error _PUBREC ends the exchange
+                inflight.pop(k)  # 4.3.3: an error PUBREC ends the exchange
             else:
                 e[5] = True
                 e[1] = None  # the message itself is no longer needed
                 self.write(conn, bytes((0x62, 2)) + u16(pid))
                 return
-        else:  # _PUBCOMP
+        else:  # PUBCOMP
             if not e[5]:
                 raise MqttError(_RC_PROTOCOL, "_PUBCOMP before _PUBREL")
             inflight.pop(k)
         self.pump(sess)
 
-    # ---------------------------------------------------------- _SUBSCRIBE
+    # ---------------------------------------------------------- SUBSCRIBE
     def on_subscribe(self, conn, b, i, end):
         pid, i = read_u16(b, i, end)
         if pid == 0:
@@ -1677,7 +1678,7 @@ class Broker:
             p = vbi(len(p)) + p
         self.write(conn, packet(_SUBACK, 0, u16(pid) + p + codes))
         for filt, opts, sid in todo:
-            # D1, D4, D5: matching retained messages follow the _SUBACK, paced
+            # D1, D4, D5: matching retained messages follow the SUBACK, paced
             flevels = filt.split("/")
             if flevels[0] == "$SYS":
                 it = self.sys_iter(flevels)
@@ -1741,7 +1742,7 @@ class Broker:
         else:
             self.write(conn, bytes((0xB0, 2)) + u16(pid))
 
-    # --------------------------------------------------------- _DISCONNECT
+    # --------------------------------------------------------- DISCONNECT
     def on_disconnect(self, conn, b, i, end):
         rc = 0
         if conn.ver == 5 and i < end:
@@ -1755,7 +1756,7 @@ class Broker:
                         # MQTT-3.14.2-2
                         raise MqttError(_RC_PROTOCOL, "Session Expiry set after 0")
                     conn.sess.expiry = min(se, self.cfg["max_session_expiry"])
-        # MQTT-3.14.4-3: a normal _DISCONNECT discards the will; 0x04 keeps it
+        # MQTT-3.14.4-3: a normal DISCONNECT discards the will; 0x04 keeps it
         self.close(conn, rc == _RC_DISCONNECT_WITH_WILL)
 
     # -------------------------------------------------------------- close
@@ -1764,7 +1765,7 @@ class Broker:
             return
         conn.closed = True
         if conn.out:
-            try:  # best effort for a final _CONNACK or _DISCONNECT
+            try:  # best effort for a final CONNACK or DISCONNECT
                 conn.sock.send(conn.out)
             except OSError:
                 pass
