@@ -1954,7 +1954,10 @@ class Broker:
                     # group commit: one per loop turn, then the acks that
                     # waited for it (durability: never acknowledged earlier)
                     self.sdirty = False
-                    self.store.commit()
+                    try:
+                        self.store.commit()
+                    except OSError as err:
+                        self.store_failed(err)
                 if self.deferred:
                     for conn in self.deferred:
                         d = conn.defer
@@ -1974,6 +1977,18 @@ class Broker:
                         on_tick(self)
         finally:
             self.shutdown()
+
+    def store_failed(self, err):
+        """A commit failed (flash full, I/O error): what it held is not
+        durable, so its acknowledgements are never sent. The clients that
+        wait for them are disconnected (5.0: 0x80) and resend on reconnect
+        (MQTT-4.4.0-1); the broker goes on."""
+        self.log("error", "retained store commit failed: %r", err)
+        self.refuse("store_io", "commit failed")
+        for conn in self.deferred:
+            conn.defer = None
+            self.disconnect(conn, _RC_UNSPECIFIED, "retained store write failed")
+        self.deferred = []
 
     def protocol_error(self, conn, err):
         self.log("info", "client %s: %s (0x%02x)", conn.cid or "?", err.text, err.code)
@@ -2045,6 +2060,8 @@ class Broker:
     def shutdown(self):
         for conn in list(self.conns.values()):
             self.close(conn, False)
+        for sess in self.sessions.values():
+            self.drop_rq(sess)  # leave no generator half-run at exit
         try:
             self.poller.unregister(self.lsock)
         except (OSError, ValueError, KeyError, AttributeError):
@@ -2111,7 +2128,13 @@ def main(argv):
             os.mkdir(data_dir)
         except OSError:
             pass  # exists
-    store = open_store(cfg, data_dir, clock, _wallclock, None)
+    lvl = _LEVELS.get(cfg["log_level"], 20)
+
+    def log(level, text):
+        if _LEVELS[level] >= lvl:
+            print("edgebroker: %s %s" % (level, text), file=sys.stderr)
+    # the store reports recovery (torn tail, corrupt records, moved aside)
+    store = open_store(cfg, data_dir, clock, _wallclock, log)
     broker = Broker(cfg, store, clock)
     _install_signals()
     broker.listen(bind, port)
@@ -2124,6 +2147,7 @@ def main(argv):
         broker.serve()
     except KeyboardInterrupt:
         pass
+    gc.collect()
     print("edgebroker: info stopped", file=sys.stderr)
 
 

@@ -435,15 +435,19 @@ class FlashStore:
         self._flen = 0          # body length of the record _find last verified
         self._sweep = 0
         # the index
+        # Board capacities (hundreds to a few thousand) are preallocated in
+        # full at this calm moment; a host-sized one (100,000) is not: its
+        # first 4,096 slots are, the rest come a chunk at a time, and buckets
+        # stop at 16,384 (longer chains past 65,536 messages).
         nb = 16
-        while nb * 4 < capacity and nb < 0x100000:
+        while nb * 4 < capacity and nb < 16384:
             nb *= 2
         self._nb = nb
         self._bk = None
         self._alloc_buckets()
         self._ix = []
         self._msgs = [] if mode == "disc" else None
-        for _ in range((capacity + _CH - 1) // _CH):
+        for _ in range((min(capacity, 4096) + _CH - 1) // _CH):
             self._add_chunk()
         self._hi = 0            # slots ever used
         self._free = 0          # first free slot + 1 (a list through the link words)
