@@ -473,9 +473,11 @@ def valid_filter(f):
 def topic_matches(flevels, topic):
     """Does a filter (split into levels) match a topic name? Leading
     wildcards never match '$' topics (MQTT-4.7.2-1). Loop, no recursion."""
-    tlevels = topic.split("/")
     if topic[:1] == "$" and flevels[0] in ("+", "#"):
         return False
+    if flevels[0] == "#":
+        return True  # the whole-set delivery: no split per message
+    tlevels = topic.split("/")
     n = len(tlevels)
     i = 0
     for lv in flevels:
@@ -852,7 +854,6 @@ class Broker:
         self.conns = {}
         self.sessions = {}
         self.tree = TopicTree()
-        self.sysret = {}      # $SYS retained messages: never stored on flash
         self.dirty = []       # connections with bytes waiting to be sent
         self.busy = []        # sessions with deliveries that can go on now
         self.deferred = []    # connections with acks waiting for commit()
@@ -1398,11 +1399,7 @@ class Broker:
         """Rules S1-S4 and L2-L4 of docs: store, replace or delete."""
         topic = msg[_M_TOPIC]
         if topic[:4] == "$SYS":
-            if msg[_M_PAYLOAD]:
-                self.sysret[topic] = msg
-            else:
-                self.sysret.pop(topic, None)
-            return False
+            return False  # made on demand by sys_msgs(), never stored
         store = self.store
         payload = msg[_M_PAYLOAD]
         if not payload:
@@ -1496,6 +1493,8 @@ class Broker:
         """Writes one PUBLISH straight into the connection's buffer. Returns
         False if it was not sent: expired (E1, MQTT-3.3.2-5) or larger than
         the client's Maximum Packet Size (MQTT-3.1.2-25, D8)."""
+        if conn.closed:
+            return False
         exp = msg[_M_EXP]
         tb = msg[_M_TB]
         payload = msg[_M_PAYLOAD]
@@ -1520,17 +1519,26 @@ class Broker:
         if rl + 5 > conn.maxpkt and rl + len(vbi(rl)) + 1 > conn.maxpkt:
             self.refuse("client_max_packet", "client %s", conn.cid)
             return False
-        hdr = bytearray((0x30 | (8 if dup else 0) | qos << 1 | retain,))
-        hdr += vbi(rl)
-        hdr += u16(len(tb))
-        hdr += tb
+        o = conn.out
+        if o is None:
+            o = conn.out = bytearray()
+            self.dirty.append(conn)
+        elif not o:
+            self.dirty.append(conn)
+        # straight into the connection's buffer: no packet built on the side
+        o.append(0x30 | (8 if dup else 0) | qos << 1 | retain)
+        o.extend(vbi(rl))
+        n = len(tb)
+        o.append(n >> 8)
+        o.append(n & 0xFF)
+        o.extend(tb)
         if qos:
-            hdr += u16(pid)
+            o.append(pid >> 8)
+            o.append(pid & 0xFF)
         if props is not None:
-            hdr += vbi(len(props))
-            hdr += props
-        self.write(conn, hdr)
-        self.write(conn, payload)
+            o.extend(vbi(len(props)))
+            o.extend(props)
+        o.extend(payload)
         self.n_out += 1
         return True
 
@@ -1712,9 +1720,8 @@ class Broker:
         sess.rq = keep
 
     def sys_iter(self, flevels):
-        for t in list(self.sysret):
-            m = self.sysret.get(t)
-            if m is not None and topic_matches(flevels, t):
+        for m in self.sys_msgs():
+            if topic_matches(flevels, m[_M_TOPIC]):
                 yield m
 
     def on_unsubscribe(self, conn, b, i, end):
@@ -2033,6 +2040,17 @@ class Broker:
 
     # ------------------------------------------------------------ 10. stats
     def publish_sys(self):
+        # Live $SYS subscribers get fresh values every sys_interval; a new
+        # one gets them at SUBSCRIBE, RETAIN=1 (sys_iter). They are made on
+        # demand, so an idle broker holds no $SYS messages in its heap.
+        if self.tree.root[0].get("$SYS") is None:
+            if _mem_free is not None:
+                gc.collect()  # a calm point all the same
+            return
+        for m in self.sys_msgs():
+            self.publish(m, 1, None)
+
+    def sys_msgs(self):
         st = self.store
         vals = [
             ("version", VERSION),
@@ -2051,8 +2069,7 @@ class Broker:
             vals.append(("heap/free", _mem_free()))
             vals.append(("heap/alloc", _mem_alloc()))
         for name, v in vals:
-            t = "$SYS/broker/" + name
-            self.publish(self.make_msg(t, str(v).encode(), 0, b"", 0), 1, None)
+            yield self.make_msg("$SYS/broker/" + name, str(v).encode(), 0, b"", 0)
 
     def stop(self):
         self.running = False
