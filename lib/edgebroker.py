@@ -258,11 +258,15 @@ DEFAULTS = {
 
 
 def limits(profile=None):
-    """The effective limits: DEFAULTS overridden by a profile dict."""
+    """The effective limits: DEFAULTS overridden by a profile dict. Only
+    the keys the broker reads are kept (a profile also carries board facts
+    for the host tools); the tools reject unknown keys, the broker ignores
+    them."""
     cfg = dict(DEFAULTS)
     if profile:
-        for k in profile:
-            cfg[k] = profile[k]
+        for k in DEFAULTS:
+            if k in profile:
+                cfg[k] = profile[k]
     return cfg
 
 
@@ -2139,6 +2143,7 @@ def main(argv):
         k, v = kv.split("=", 1)
         profile[k] = _parse_value(v)
     cfg = limits(profile)
+    profile = None  # the board facts in it are the tools' business
     clock = MonoClock()
     if data_dir:
         try:
@@ -2155,6 +2160,9 @@ def main(argv):
     broker = Broker(cfg, store, clock)
     _install_signals()
     broker.listen(bind, port)
+    if _mem_alloc is not None:
+        gc.collect()
+        log("info", "heap after start: %d allocated, %d free" % (_mem_alloc(), _mem_free()))
     print("edgebroker listening on %s:%d (%s)" % (bind, port, _IMPL))
     try:
         sys.stdout.flush()
