@@ -18,7 +18,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
-from edgebroker_tools.runner import RunnerError
+from edgebroker_tools.runner import RunnerError, check_override
 
 if TYPE_CHECKING:
     Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -28,4 +28,24 @@ Handler: TypeAlias = Callable[[argparse.Namespace], int]
 #: The error a command raises for bad input; runner errors are the same class.
 CommandError = RunnerError
 
-__all__ = ["CommandError", "Handler", "Subparsers"]
+
+def port_arg(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    try:
+        port = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 1..65535") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: expected 1..65535")
+    return port
+
+
+def override_arg(text: str) -> str:
+    """argparse type: one `--set key=value` item (the broker parses the value)."""
+    try:
+        return check_override(text)
+    except RunnerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+__all__ = ["CommandError", "Handler", "Subparsers", "override_arg", "port_arg"]

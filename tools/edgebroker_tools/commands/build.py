@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from edgebroker_tools import __version__, runner
-from edgebroker_tools.commands import CommandError
+from edgebroker_tools.commands import CommandError, override_arg
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -359,7 +359,7 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "--set",
         dest="overrides",
         action="append",
-        type=_override,
+        type=override_arg,
         default=[],
         metavar="KEY=VALUE",
         help="override one profile key (value parsed as JSON, else string); repeatable",
@@ -371,13 +371,6 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="output root (default: <repo>/dist); the build goes to DIR/<board>/",
     )
-
-
-def _override(text: str) -> str:
-    try:
-        return runner.check_override(text)
-    except runner.RunnerError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: Subparsers) -> None:

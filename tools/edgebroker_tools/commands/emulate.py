@@ -46,7 +46,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from edgebroker_tools import profiles, runner
-from edgebroker_tools.commands import CommandError
+from edgebroker_tools.commands import CommandError, override_arg, port_arg
 from edgebroker_tools.mqttclient import Client, MqttError, parse_publish
 from edgebroker_tools.profiles import ProfileError
 
@@ -97,16 +97,6 @@ edgebroker.main(@ARGV@)
 """
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 1..65535") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"invalid port {port}: expected 1..65535")
-    return port
-
-
 def _heap(text: str) -> str:
     try:
         runner.parse_heap(text)
@@ -135,13 +125,6 @@ def _seconds(text: str) -> int:
     return value
 
 
-def _override(text: str) -> str:
-    try:
-        return runner.check_override(text)
-    except runner.RunnerError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def register(subparsers: Subparsers) -> None:
     """Add the `emulate` subcommand."""
     parser = subparsers.add_parser(
@@ -152,7 +135,7 @@ def register(subparsers: Subparsers) -> None:
         "figures from $SYS every few seconds. Ctrl-C or SIGTERM stops it cleanly.",
     )
     parser.add_argument("board", metavar="BOARD|FILE", help="board name (esp32) or profile file")
-    parser.add_argument("--port", type=_port, default=1883, help="TCP port (default: 1883)")
+    parser.add_argument("--port", type=port_arg, default=1883, help="TCP port (default: 1883)")
     parser.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="address to bind")
     parser.add_argument(
         "--interpreter",
@@ -194,7 +177,7 @@ def register(subparsers: Subparsers) -> None:
         "--set",
         dest="overrides",
         action="append",
-        type=_override,
+        type=override_arg,
         default=[],
         metavar="KEY=VALUE",
         help="override one profile key (value parsed as JSON, else string); repeatable",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from edgebroker_tools import runner
-from edgebroker_tools.commands import CommandError
+from edgebroker_tools.commands import CommandError, override_arg, port_arg
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -29,23 +29,6 @@ def _heap(text: str) -> str:
     except runner.RunnerError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 1..65535") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"invalid port {port}: expected 1..65535")
-    return port
-
-
-def _override(text: str) -> str:
-    try:
-        return runner.check_override(text)
-    except runner.RunnerError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: Subparsers) -> None:
@@ -70,7 +53,7 @@ def register(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--port",
-        type=_port,
+        type=port_arg,
         default=DEFAULT_PORT,
         help=f"TCP port to listen on (default: {DEFAULT_PORT})",
     )
@@ -104,7 +87,7 @@ def register(subparsers: Subparsers) -> None:
         "--set",
         dest="overrides",
         action="append",
-        type=_override,
+        type=override_arg,
         default=[],
         metavar="KEY=VALUE",
         help="override one profile key (value parsed as JSON, else string); repeatable",
