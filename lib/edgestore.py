@@ -229,6 +229,13 @@ _OFFM = const(0x1FFFFFFF)  # offset word: file offset (files up to 512 MB)
 _U32 = const(0xFFFFFFFF)
 
 
+def _buckets(nb):
+    # hash buckets as 1,024-word array chunks: no large contiguous block
+    if nb <= _BCH:
+        return [_zeros(nb)]
+    return [_zeros(_BCH) for _ in range(nb // _BCH)]
+
+
 def topic_hash(tb):
     """30-bit stable hash of topic bytes: 10 bits of the first level's
     CRC-32 above 20 bits of the whole topic's. CRC-32 runs in C on both
@@ -459,16 +466,15 @@ class FlashStore:
             self._logf(level, text)
 
     def _alloc_buckets(self):
-        nb = self._nb
-        if nb <= _BCH:
-            self._bk = [_zeros(nb)]
-        else:
-            self._bk = [_zeros(_BCH) for _ in range(nb // _BCH)]
+        self._bk = _buckets(self._nb)
 
     def _add_chunk(self):
-        self._ix.append(_zeros(3 * _CH))
-        if self._msgs is not None:
-            self._msgs.append([None] * _CH)
+        # both allocations first: a MemoryError leaves the index as it was
+        c = _zeros(3 * _CH)
+        m = [None] * _CH if self._msgs is not None else None
+        self._ix.append(c)
+        if m is not None:
+            self._msgs.append(m)
 
     def _wall(self):
         w = self._wallf()
@@ -642,8 +648,9 @@ class FlashStore:
         self._free = free
 
     def _grow_buckets(self):
+        bk = _buckets(self._nb * 2)  # may raise MemoryError: nothing changed yet
         self._nb *= 2
-        self._alloc_buckets()
+        self._bk = bk
         self._rethread()
 
     # ------------------------------------------------------------ writing
@@ -733,6 +740,8 @@ class FlashStore:
         old = -1
         if s >= 0:
             old = self._size_of(s) if self._msgs is not None else self._flen + 9
+        if s < 0 and self._free == 0 and self._hi >> 8 >= len(self._ix):
+            self._add_chunk()  # before anything is written (MemoryError-safe)
         parts, flags = self._parts(msg, self._stime())
         off = self._emit(T_PUT, parts)
         size = PUT_OVERHEAD + len(tb) + len(msg[4]) + len(msg[2])
@@ -754,7 +763,10 @@ class FlashStore:
         if self._msgs is not None:
             self._msgs[s >> 8][s & 255] = msg
         if self.count > 4 * self._nb and self._nb < 0x100000:
-            self._grow_buckets()
+            try:
+                self._grow_buckets()
+            except MemoryError:
+                pass  # longer hash chains, nothing lost; tried again later
 
     def delete(self, topic):
         self._ready()
@@ -837,14 +849,19 @@ class FlashStore:
             if o & _OEXP:
                 if msgs is not None:
                     m = msgs[s >> 8][s & 255]
-                    if m[5] <= now:
-                        self._forget(s, PUT_OVERHEAD + len(m[1]) + len(m[2]) + len(m[4]))
-                        removed += 1
+                    gone = m[5] <= now
+                    size = PUT_OVERHEAD + len(m[1]) + len(m[2]) + len(m[4])
                 else:
                     size, flags, rem, st, wall = self._head(o & _OFFM)
-                    if self._deadline(st, rem, wall) <= now:
-                        self._forget(s, size)
-                        removed += 1
+                    gone = self._deadline(st, rem, wall) <= now
+                    m = self._load(s) if gone else None
+                if gone:
+                    # a DEL makes the expiry durable: without a set clock a
+                    # reopen could not tell that the lifetime had passed (E4)
+                    if m is not None:
+                        self._emit(T_DEL, (m[1],))
+                    self._forget(s, size)
+                    removed += 1
             s += 1
         self._sweep = s
         if (self._wn or self._unsynced or self._torn
