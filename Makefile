@@ -6,7 +6,7 @@ PORT   ?= 1883
 INTERP ?= cpython
 VENV   := .venv
 
-.PHONY: venv run test bench lint clean measure-memory board-reference
+.PHONY: venv run test bench bench-pipeline pipeline bench-store lint clean measure-memory board-reference
 
 venv:  ## .venv with pinned deps + editable tools, mosquitto (no-op when done)
 	bash tools/setup.sh
@@ -17,8 +17,17 @@ run: venv  ## broker in the foreground: make run [BOARD=...] [PORT=...] [INTERP=
 test: venv  ## host tests, both interpreters (fails on "no tests collected" too)
 	$(VENV)/bin/pytest -p no:cacheprovider host_tests
 
-bench: venv  ## benchmarks
+bench: venv  ## benchmarks (all scenarios, the flash-store ones included; under ~8 minutes)
 	$(VENV)/bin/python -m edgebroker_tools.bench
+
+bench-store: venv  ## flash-store benchmarks only: write amplification, open time, heap per message, 20,000 retained to Receive Maximum 10
+	$(VENV)/bin/python -m edgebroker_tools.bench --only store-wear,store-open,store-heap,retained-rm10
+
+bench-pipeline: venv  ## fleet pipeline: synth 10,000 gateways x 200 topics x 3 (6 M rows) -> fleet build on local[2], at half, full and double size
+	$(VENV)/bin/python -m edgebroker_tools.fleet.bench
+
+pipeline: venv  ## fleet pipeline on synthetic data: synth (small) -> build -> report, in build/pipeline/ (report.html there)
+	rm -rf build/pipeline && $(VENV)/bin/edgebroker fleet synth --gateways 200 --topics 50 --snapshots 3 --out build/pipeline/snapshots && $(VENV)/bin/edgebroker fleet build --snapshots build/pipeline/snapshots --out build/pipeline/warehouse --master 'local[2]' && $(VENV)/bin/edgebroker fleet report build/pipeline/warehouse
 
 measure-memory: venv  ## heap costs under the MicroPython unix port -> boards/memory_costs.json
 	$(VENV)/bin/python -m edgebroker_tools.measure

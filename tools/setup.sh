@@ -12,6 +12,9 @@
 #      apt-get; a mosquitto service the install starts is stopped and disabled
 #      again (the tests start their own instances on free ports). Otherwise
 #      the script says what to install and fails.
+#   3. Java >= 17 for PySpark (the fleet pipeline and its tests). Missing or
+#      older: as root with apt-get, openjdk-17-jre-headless is installed;
+#      otherwise the script says what to install and fails.
 #
 # Environment: PYTHON (default python3) picks the interpreter for a new .venv.
 set -o errexit -o pipefail -o nounset
@@ -163,9 +166,51 @@ then rerun make venv. (Run as root, this script installs them itself.)"
     have_broker && have_clients || die "mosquitto/mosquitto-clients still missing after apt-get install"
 }
 
+# --- 3. Java for PySpark -------------------------------------------------------
+
+JAVA_MIN=17
+JAVA_PKG=openjdk-17-jre-headless
+
+# The major version of the java that PySpark will run ($JAVA_HOME/bin/java, else
+# the one on PATH), or nothing when there is none. "1.8.0_x" counts as 8.
+java_major() {
+    local java=java
+    if [ -n "${JAVA_HOME:-}" ] && [ -x "$JAVA_HOME/bin/java" ]; then
+        java="$JAVA_HOME/bin/java"
+    fi
+    command -v "$java" >/dev/null 2>&1 || return 0
+    "$java" -version 2>&1 | sed -n 's/.*version "\([0-9][0-9]*\)\.\{0,1\}\([0-9]*\).*/\1 \2/p' | head -n 1 \
+        | awk '{ print ($1 == 1 ? $2 : $1) }'
+}
+
+setup_java() {
+    local major
+    major="$(java_major)"
+    if [ -n "$major" ] && [ "$major" -ge "$JAVA_MIN" ]; then
+        return 0
+    fi
+    local have="${major:+Java $major}"
+    have="${have:-no Java}"
+    if ! is_root; then
+        die "PySpark (fleet pipeline) needs Java >= $JAVA_MIN, found $have. Install with:
+    sudo apt-get install -y $JAVA_PKG
+then rerun make venv. (Run as root, this script installs it itself.)"
+    fi
+    have_apt || die "PySpark needs Java >= $JAVA_MIN, found $have, and there is no apt-get here: install a Java $JAVA_MIN runtime"
+    say "installing $JAVA_PKG with apt-get (PySpark needs Java >= $JAVA_MIN, found $have)"
+    # The JRE package's postinst needs this man directory on slim images.
+    mkdir -p /usr/share/man/man1
+    apt_install "$JAVA_PKG"
+    major="$(java_major)"
+    if [ -z "$major" ] || [ "$major" -lt "$JAVA_MIN" ]; then
+        die "java is still ${major:+version }${major:-missing} after installing $JAVA_PKG: point JAVA_HOME at /usr/lib/jvm/java-17-openjdk-*"
+    fi
+}
+
 main() {
     setup_venv
     setup_mosquitto
+    setup_java
 }
 
 # Sourcing the file (e.g. to test one function) defines the functions only.

@@ -52,6 +52,31 @@ memory
     messages. mosquitto's own ``$SYS/broker/heap/current`` is shown beside
     it. All brokers: VmRSS from /proc/<pid>/status at the same points.
 
+The flash retained store (lib/edgestore.py; ``make bench-store`` runs just
+these four). The store is driven by small scripts run in their own CPython
+or MicroPython process, so the numbers come from the interpreter a board runs:
+
+store-wear
+    Write amplification: 100,000 retained updates on 1,000 topics through
+    FlashStore (CPython; the bytes are the same on a board), commit every
+    16 updates, default compaction. Every byte written to the store files
+    (appends and compaction) / the bytes of the updates' records, and / their
+    payload bytes. Target: <= 2.0.
+store-open
+    Time to open a 10,000-message store file under MicroPython (the file is
+    written by FlashStore under CPython first): ``FlashStore(...)`` timed
+    inside the interpreter, disc_only (target <= 1 s) and disc, and a file
+    with superseded records still in it.
+store-heap
+    Heap per retained message under MicroPython for ram (RamStore), disc and
+    disc_only (FlashStore): gc.mem_alloc() before and after 10,000 messages.
+    Target: disc_only <= 16 B.
+retained-rm10
+    20,000 retained QoS 1 messages, then a 5.0 subscriber with Receive
+    Maximum 10 on '#': how many arrive, from edgebroker (CPython and
+    MicroPython, disc_only) and mosquitto with its defaults, in one run.
+    Target: all of them from edgebroker.
+
 Brokers are alternated per scenario: each repetition runs the scenario on
 every broker in turn (the order rotates between repetitions) and the table
 shows medians. Ratios are edgebroker / mosquitto; targets are marked PASS or
@@ -90,7 +115,16 @@ from edgebroker_tools import runner
 
 BrokerName = Literal["cpython", "micropython", "mosquitto"]
 BROKERS: Final[tuple[BrokerName, ...]] = ("cpython", "micropython", "mosquitto")
-SCENARIOS: Final[tuple[str, ...]] = ("fanin", "qos1", "retained", "memory")
+SCENARIOS: Final[tuple[str, ...]] = (
+    "fanin",
+    "qos1",
+    "retained",
+    "memory",
+    "store-wear",
+    "store-open",
+    "store-heap",
+    "retained-rm10",
+)
 EDGE: Final[tuple[BrokerName, ...]] = ("cpython", "micropython")
 SHORT: Final[dict[str, str]] = {"cpython": "cpy", "micropython": "mpy", "mosquitto": "mosq"}
 
@@ -138,6 +172,13 @@ class Sizes:
     mem_retained: int
     mem_payload: int
     drain_idle_s: float  # after the last send: wait this long without progress
+    wear_updates: int  # store-wear: retained updates driven through FlashStore
+    wear_topics: int
+    wear_payload: int
+    open_messages: int  # store-open: messages in the store file opened
+    open_dead: int  # store-open: superseded records in the second file
+    heap_messages: int  # store-heap: messages per storage type
+    rm10_count: int  # retained-rm10: retained messages to deliver
 
 
 FULL: Final = Sizes(
@@ -162,6 +203,13 @@ FULL: Final = Sizes(
     mem_retained=1000,
     mem_payload=64,
     drain_idle_s=1.0,
+    wear_updates=100_000,
+    wear_topics=1000,
+    wear_payload=32,
+    open_messages=10_000,
+    open_dead=6_000,
+    heap_messages=10_000,
+    rm10_count=20_000,
 )
 
 QUICK: Final = Sizes(
@@ -186,6 +234,13 @@ QUICK: Final = Sizes(
     mem_retained=100,
     mem_payload=64,
     drain_idle_s=0.5,
+    wear_updates=20_000,
+    wear_topics=200,
+    wear_payload=32,
+    open_messages=2_000,
+    open_dead=1_200,
+    heap_messages=2_000,
+    rm10_count=3_000,
 )
 
 
@@ -310,8 +365,16 @@ class Client:
         self.buf = bytearray()
 
     @classmethod
-    def connect(cls, port: int, client_id: str, timeout: float = 5.0, keepalive: int = 0) -> Client:
-        """TCP connect, CONNECT, wait for CONNACK 0; BenchError otherwise."""
+    def connect(
+        cls,
+        port: int,
+        client_id: str,
+        timeout: float = 5.0,
+        keepalive: int = 0,
+        connect: bytes | None = None,
+    ) -> Client:
+        """TCP connect, CONNECT (3.1.1, or the `connect` packet given), wait for
+        CONNACK 0; BenchError otherwise."""
         deadline = time.monotonic() + timeout
         try:
             sock = socket.create_connection((HOST, port), timeout=timeout)
@@ -321,7 +384,8 @@ class Client:
         sock.setblocking(False)
         client = cls(sock, client_id)
         try:
-            client.send_all(connect_packet(client_id, keepalive), deadline)
+            packet = connect if connect is not None else connect_packet(client_id, keepalive)
+            client.send_all(packet, deadline)
             b0, body = client.read_packet(deadline)
         except BaseException:
             client.close(graceful=False)
@@ -780,6 +844,10 @@ def fmt_value(value: float | None, unit: str) -> str:
         return f"{value:,.0f}"
     if unit == "%":
         return f"{value:.1f}%"
+    if unit == "x":
+        return f"{value:.3f}"
+    if unit == "B/msg":
+        return f"{value:.1f} B"
     return f"{value:g}"
 
 
@@ -1624,6 +1692,281 @@ def _per(before: float | None, after: float | None, count: int) -> float | None:
 
 
 # --------------------------------------------------------------------------
+# Scenarios 5-8: the flash retained store (lib/edgestore.py)
+# --------------------------------------------------------------------------
+#
+# The store is driven by small scripts run in their own interpreter process
+# (CPython or the MicroPython unix port), never imported here: this module
+# stays typed and the numbers come from the interpreter a board runs. Each
+# script prints one line "RESULT <json>". They use only what both
+# interpreters have.
+
+RESULT_PREFIX: Final = "RESULT "
+STORE_FILE: Final = "retained.ebrs"
+STORE_EDGE_EXTRA: Final[dict[str, object]] = {
+    "storage_type": "disc_only",
+    "max_retained_messages": 0,
+    "store_budget_bytes": 64 * 1024 * 1024,
+}
+# The heap script holds up to `heap_messages` RAM-store messages (~350 B
+# each): more than the unix port's 2 MB default heap.
+HEAP_SCRIPT_HEAP: Final = "64m"
+OPEN_SCRIPT_DISC_HEAP: Final = "16m"
+
+# Write amplification: FlashStore under CPython with a file layer that
+# counts every byte written (compaction's .new file included). Syncs only
+# flush: fsync changes the time, not the bytes. Commits every `group`
+# updates, like the broker's group commit with 16 PUBLISHes in flight.
+WEAR_SCRIPT: Final = """
+import json, sys
+sys.path.insert(0, {lib!r})
+import edgestore
+
+class CountFile:
+    def __init__(self, f, fs):
+        self.f = f
+        self.fs = fs
+    def write(self, b):
+        self.fs.written += len(b)
+        return self.f.write(b)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+class CountFs(edgestore.Fs):
+    written = 0
+    def open(self, path, mode):
+        f = open(path, mode)
+        return CountFile(f, self) if ("w" in mode or "+" in mode or "a" in mode) else f
+    def sync(self, f):
+        f.flush()
+    def sync_dir(self, path):
+        pass
+
+fs = CountFs()
+st = edgestore.FlashStore({path!r}, mode="disc_only", capacity={topics}, fs=fs)
+topics = ["bench/wear/%04d" % i for i in range({topics})]
+tbs = [t.encode() for t in topics]
+pad = b"w" * ({payload} - 8)
+record = 0
+payload_bytes = 0
+for i in range({updates}):
+    k = i % {topics}
+    payload = pad + b"%08d" % i
+    st.put(topics[k], (topics[k], tbs[k], payload, 1, b"", 0, 0))
+    record += edgestore.PUT_OVERHEAD + len(tbs[k]) + len(payload)
+    payload_bytes += len(payload)
+    if i % {group} == {group} - 1:
+        st.commit()
+st.commit()
+s = st.stats()
+st.close()
+print("RESULT " + json.dumps({{"updates": {updates}, "record_bytes": record,
+    "payload_bytes": payload_bytes, "fs_written": fs.written,
+    "store_written": s["bytes_written"], "compactions": s["compactions"],
+    "file_bytes": s["file_bytes"], "live_bytes": s["live_bytes"], "count": s["count"]}}))
+"""
+
+# A store file to open: `live` messages (one in ten with a Message Expiry of
+# an hour, one in four with a Content Type), then `dead` updates of the
+# first topics (superseded records the open must read past). Written by
+# FlashStore itself under CPython: the file a board would have.
+BUILD_SCRIPT: Final = """
+import json, sys, time
+sys.path.insert(0, {lib!r})
+import edgestore
+clock = time.monotonic
+st = edgestore.FlashStore({path!r}, mode="disc_only", capacity={live}, clock=clock,
+                          wallclock=lambda: int(time.time()))
+ct = b"\\x03\\x00\\x0atext/plain"
+for i in range({live} + {dead}):
+    k = i % {live}
+    t = "bench/open/%02d/%05d" % (k % 64, k)
+    dl = clock() + 3600 if k % 10 == 0 else 0
+    st.put(t, (t, t.encode(), b"p" * 24 + b"%08d" % i, 1, ct if k % 4 == 0 else b"",
+               dl, 1 if dl else 0))
+    if i % 256 == 255:
+        st.commit()
+st.commit()
+s = st.stats()
+st.close()
+print("RESULT " + json.dumps(s))
+"""
+
+# Opening a store file under MicroPython, as the broker does at boot
+# (capacity = max_retained_messages, a wall clock set): best of `repeat`.
+OPEN_SCRIPT: Final = """
+import gc, json, sys, time
+sys.path.insert(0, {lib!r})
+import edgestore
+times = []
+n = 0
+stats = None
+for r in range({repeat}):
+    gc.collect()
+    t0 = time.ticks_us()
+    st = edgestore.FlashStore({path!r}, mode={mode!r}, capacity={capacity},
+                              wallclock=lambda: int(time.time()))
+    t1 = time.ticks_us()
+    n = st.count
+    stats = st.open_stats
+    st.close()
+    st = None
+    times.append(time.ticks_diff(t1, t0) / 1000000)
+gc.collect()
+print("RESULT " + json.dumps({{"times": times, "count": n, "open_stats": stats}}))
+"""
+
+# Heap per retained message in each storage type under MicroPython: heap
+# allocated (after gc.collect()) before the store is made and after
+# `count` messages are in it, divided by `count`. Every message is made the
+# way the broker makes one from a PUBLISH (its own topic str and bytes, its
+# own 64-byte payload); capacity = count, as max_retained_messages would be.
+HEAP_SCRIPT: Final = """
+import gc, json, os, sys
+sys.path.insert(0, {lib!r})
+import edgebroker
+import edgestore
+res = {{}}
+for mode in ("ram", "disc", "disc_only"):
+    path = {tmp!r} + "/heap-" + mode + ".ebrs"
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    gc.collect()
+    a0 = gc.mem_alloc()
+    if mode == "ram":
+        st = edgebroker.RamStore({count})
+    else:
+        st = edgestore.FlashStore(path, mode=mode, capacity={count})
+    for i in range({count}):
+        t = "bench/heap/%02d/%05d" % (i % 64, i)
+        st.put(t, (t, t.encode(), b"m" * 56 + b"%08d" % i, 1, b"", 0, 0))
+        if i % 16 == 15:
+            st.commit()
+    st.commit()
+    gc.collect()
+    a1 = gc.mem_alloc()
+    res[mode] = {{"count": st.count, "per_message": (a1 - a0) / {count}, "bytes": a1 - a0}}
+    st.close()
+    st = None
+    gc.collect()
+print("RESULT " + json.dumps(res))
+"""
+
+
+def run_script(argv: Sequence[str], script: str, workdir: Path, name: str, timeout: float) -> Any:
+    """Run `script` with the interpreter command `argv`; returns the JSON of
+    its RESULT line. BenchError (with the output's tail) otherwise."""
+    path = workdir / f"{name}.py"
+    path.write_text(script, encoding="utf-8")
+    try:
+        res = subprocess.run(
+            [*argv, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=str(workdir),
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{name}: no result within {timeout:.0f} s") from None
+    except OSError as exc:
+        raise BenchError(f"{name}: cannot run {argv[0]}: {exc}") from None
+    for line in res.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            try:
+                return json.loads(line[len(RESULT_PREFIX) :])
+            except json.JSONDecodeError as exc:
+                raise BenchError(f"{name}: bad RESULT line: {exc}") from None
+    tail = "\n".join((res.stdout + res.stderr).splitlines()[-8:])
+    raise BenchError(f"{name}: exit code {res.returncode}, no RESULT line\n{tail}")
+
+
+def as_float(data: Any, *keys: str) -> float:
+    """data[k1][k2]... as a float; BenchError if it is not a number."""
+    value = data
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise BenchError(f"result has no {'.'.join(keys)}")
+        value = value[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BenchError(f"result {'.'.join(keys)} is not a number: {value!r}")
+    return float(value)
+
+
+def connect_v5_packet(client_id: str, receive_maximum: int) -> bytes:
+    """CONNECT, protocol level 5, clean start, a Receive Maximum property."""
+    props = bytes([0x21]) + struct.pack("!H", receive_maximum)
+    body = mqtt_str("MQTT") + bytes([5, 0x02]) + struct.pack("!H", 0)
+    body += varint(len(props)) + props + mqtt_str(client_id)
+    return b"\x10" + varint(len(body)) + body
+
+
+def subscribe_v5_packet(pid: int, topic: str, qos: int) -> bytes:
+    body = struct.pack("!H", pid) + b"\x00" + mqtt_str(topic) + bytes([qos])
+    return b"\x82" + varint(len(body)) + body
+
+
+def run_rm10_subscriber(
+    port: int, count: int, prefix: bytes, window: int, idle_s: float, cap_s: float, tag: str
+) -> dict[str, float]:
+    """A 5.0 client with Receive Maximum `window` subscribes '#' at QoS 1 and
+    acknowledges every PUBLISH as it comes; returns how many distinct
+    `prefix` topics arrived (RETAIN=1) before nothing came for `idle_s`."""
+    client = Client.connect(port, f"rm10-{tag}", connect=connect_v5_packet(f"rm10-{tag}", window))
+    try:
+        seen: set[bytes] = set()
+        dups = 0
+        not_retained = 0
+        suback = False
+        t0 = time.perf_counter()
+        client.send_all(subscribe_v5_packet(1, "#", 1), time.monotonic() + 5.0)
+        last = t0
+        t_last_new = t0
+        for _ in range(10_000_000):
+            now = time.perf_counter()
+            if len(seen) >= count or now - last > idle_s or now - t0 > cap_s:
+                break
+            if not client.fill(0.05):
+                continue
+            packets, used = split_packets(client.buf)
+            acks = bytearray()
+            for b0, start, end in packets:
+                kind = b0 >> 4
+                if kind == T_PUBLISH:
+                    topic, pid, _pos = publish_fields(client.buf, b0, start, end)
+                    if b0 & 0x06:
+                        acks += puback_packet(pid)
+                    if topic.startswith(prefix):
+                        if not b0 & 1:
+                            not_retained += 1
+                        if topic in seen:
+                            dups += 1
+                        else:
+                            seen.add(topic)
+                            t_last_new = time.perf_counter()
+                    last = time.perf_counter()
+                elif kind == T_SUBACK:
+                    suback = True
+                    if end - start >= 4 and client.buf[end - 1] >= 0x80:
+                        raise BenchError("SUBSCRIBE '#' refused")
+            del client.buf[:used]
+            if acks:
+                client.send_all(bytes(acks), time.monotonic() + 5.0)
+        if not suback:
+            raise BenchError("no SUBACK for '#'")
+        return {
+            "delivered": float(len(seen)),
+            "time": t_last_new - t0,
+            "dups": float(dups),
+            "not_retained": float(not_retained),
+        }
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------
 # Orchestration
 # --------------------------------------------------------------------------
 
@@ -1985,6 +2328,279 @@ class Bench:
             "heap pages as they are touched."
         )
 
+    # -- the flash store (scenarios 5-8) ----------------------------------
+
+    def lib_dir(self) -> Path:
+        return runner.lib_path().parent
+
+    def mpy_argv(self, heap: str | None) -> list[str] | None:
+        if self.tools.micropython is None:
+            return None
+        argv = [str(self.tools.micropython)]
+        if heap:
+            argv += ["-X", f"heapsize={heap}"]
+        return argv
+
+    def scenario_store_wear(self) -> None:
+        s = self.sizes
+        workdir = Path(tempfile.mkdtemp(prefix="store-wear-", dir=self.tmp))
+        name = f"{s.wear_updates:,} updates on {s.wear_topics:,} topics"
+        amp = self.report.metric(
+            "store wear",
+            f"write amplification, record bytes ({name})",
+            "x",
+            ratio_mode="none",
+            targets=[Target("cpython", "<=", 2.0, "x")],
+        )
+        per_payload = self.report.metric(
+            "store wear",
+            f"flash bytes per payload byte ({s.wear_payload} B payloads)",
+            "x",
+            ratio_mode="none",
+        )
+        per_update = self.report.metric("store wear", "flash bytes per update", "B", "none")
+        compactions = self.report.metric("store wear", "compactions", "count", "none")
+        script = WEAR_SCRIPT.format(
+            lib=str(self.lib_dir()),
+            path=str(workdir / STORE_FILE),
+            topics=s.wear_topics,
+            updates=s.wear_updates,
+            payload=s.wear_payload,
+            group=16,
+        )
+        try:
+            res = run_script([str(self.tools.python)], script, workdir, "wear", 600.0)
+            written = as_float(res, "fs_written")
+            store_written = as_float(res, "store_written")
+            records = as_float(res, "record_bytes")
+            payload = as_float(res, "payload_bytes")
+            updates = as_float(res, "updates")
+            ncomp = as_float(res, "compactions")
+        except BenchError as exc:
+            self.report.problem(f"store-wear: {exc}")
+            return
+        if written != store_written:
+            self.report.problem(
+                f"store-wear: FlashStore.bytes_written says {store_written:,.0f} B, "
+                f"the file layer counted {written:,.0f} B"
+            )
+        amp.add("cpython", written / records)
+        per_payload.add("cpython", written / payload)
+        per_update.add("cpython", written / updates)
+        compactions.add("cpython", ncomp)
+        print(
+            f"  store-wear {updates:,.0f} updates: {written:,.0f} B written "
+            f"(records {records:,.0f} B, payloads {payload:,.0f} B), "
+            f"{ncomp:.0f} compactions",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.report.notes.append(
+            f"store wear: lib/edgestore.py FlashStore driven directly under CPython (the "
+            f"file format and compaction are the same bytes on a board): "
+            f"{s.wear_updates:,} retained updates, round robin over {s.wear_topics:,} "
+            f"topics, {s.wear_payload}-byte payloads, commit every 16 updates (the broker's "
+            f"group commit with 16 PUBLISHes in flight), default compaction (ratio 0.5, "
+            f"4096 B minimum). Amplification = every byte written to the store files "
+            f"(appends and compaction's .new; counted by a file layer, checked against "
+            f"FlashStore.bytes_written) / the bytes of the PUT records of the updates "
+            f"(29 B + topic + payload each); the second row divides by payload bytes."
+        )
+
+    def scenario_store_open(self) -> None:
+        s = self.sizes
+        n = s.open_messages
+        workdir = Path(tempfile.mkdtemp(prefix="store-open-", dir=self.tmp))
+        rows: list[tuple[str, str, int, str | None, list[Target]]] = [
+            (
+                f"open {n:,} messages, disc_only",
+                "disc_only",
+                0,
+                None,
+                [Target("micropython", "<=", 1.0, "s")],
+            ),
+            (
+                f"open {n:,} + {s.open_dead:,} dead records, disc_only",
+                "disc_only",
+                s.open_dead,
+                None,
+                [],
+            ),
+            (
+                f"open {n:,} messages, disc (-X heapsize={OPEN_SCRIPT_DISC_HEAP})",
+                "disc",
+                0,
+                OPEN_SCRIPT_DISC_HEAP,
+                [],
+            ),
+        ]
+        if self.tools.micropython is None or "micropython" not in self.brokers:
+            for label, _mode, _dead, _heap, targets in rows:
+                self.report.metric("store open", label, "s", "none", targets).add(
+                    "micropython", None
+                )
+            return
+        files: dict[int, Path] = {}
+        for _label, _mode, dead, _heap, _t in rows:
+            if dead in files:
+                continue
+            path = workdir / f"open-{dead}.ebrs"
+            script = BUILD_SCRIPT.format(lib=str(self.lib_dir()), path=str(path), live=n, dead=dead)
+            try:
+                built = run_script([str(self.tools.python)], script, workdir, f"build-{dead}", 300)
+                size = as_float(built, "file_bytes")
+            except BenchError as exc:
+                self.report.problem(f"store-open: building the store file: {exc}")
+                return
+            files[dead] = path
+            print(
+                f"  store-open built {path.name}: {n:,} live + {dead:,} dead, {size:,.0f} B",
+                file=sys.stderr,
+                flush=True,
+            )
+        for label, mode, dead, heap, targets in rows:
+            metric = self.report.metric("store open", label, "s", "none", targets)
+            argv = self.mpy_argv(heap)
+            if argv is None:
+                metric.add("micropython", None)
+                continue
+            # a fresh copy each time: close() appends a CLOCK marker
+            path = workdir / f"run-{mode}-{dead}.ebrs"
+            shutil.copyfile(files[dead], path)
+            script = OPEN_SCRIPT.format(
+                lib=str(self.lib_dir()), path=str(path), mode=mode, capacity=n, repeat=3
+            )
+            try:
+                res = run_script(argv, script, workdir, f"open-{mode}-{dead}", 300)
+                times = res.get("times") if isinstance(res, dict) else None
+                count = as_float(res, "count")
+            except BenchError as exc:
+                self.report.problem(f"store-open ({label}): {exc}")
+                metric.add("micropython", None)
+                continue
+            if not isinstance(times, list) or not times:
+                self.report.problem(f"store-open ({label}): no times in {res!r}")
+                continue
+            if count != n:
+                self.report.problem(f"store-open ({label}): opened {count:.0f} of {n} messages")
+            best = min(float(t) for t in times)
+            metric.add("micropython", best)
+            print(
+                f"  store-open {label}: {', '.join(f'{float(t):.3f}' for t in times)} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.report.notes.append(
+            f"store open: `FlashStore(path, mode, capacity={n})` timed inside the MicroPython "
+            f"unix port (time.ticks_us, best of 3; the import is not counted), on a file "
+            f"written by FlashStore under CPython: {n:,} retained messages (24-32 B "
+            f"payloads, one in ten with a Message Expiry, one in four with a Content Type), "
+            f"and a second file with {s.open_dead:,} superseded records on top. "
+            f"disc_only runs in the port's default heap; disc keeps every message in RAM "
+            f"and gets -X heapsize={OPEN_SCRIPT_DISC_HEAP}."
+        )
+
+    def scenario_store_heap(self) -> None:
+        s = self.sizes
+        count = s.heap_messages
+        metrics = {
+            mode: self.report.metric(
+                "store heap",
+                f"heap per retained message, {mode} ({count:,} x 64 B)",
+                "B/msg",
+                "none",
+                [Target("micropython", "<=", 16.0, "B/msg")] if mode == "disc_only" else [],
+            )
+            for mode in ("ram", "disc", "disc_only")
+        }
+        argv = self.mpy_argv(HEAP_SCRIPT_HEAP)
+        if argv is None or "micropython" not in self.brokers:
+            for metric in metrics.values():
+                metric.add("micropython", None)
+            return
+        workdir = Path(tempfile.mkdtemp(prefix="store-heap-", dir=self.tmp))
+        script = HEAP_SCRIPT.format(lib=str(self.lib_dir()), tmp=str(workdir), count=count)
+        try:
+            res = run_script(argv, script, workdir, "heap", 600)
+            values = {mode: as_float(res, mode, "per_message") for mode in metrics}
+            counts = {mode: as_float(res, mode, "count") for mode in metrics}
+        except BenchError as exc:
+            self.report.problem(f"store-heap: {exc}")
+            return
+        for mode, metric in metrics.items():
+            if counts[mode] != count:
+                self.report.problem(f"store-heap {mode}: {counts[mode]:.0f} of {count} stored")
+            metric.add("micropython", values[mode])
+        print(
+            "  store-heap "
+            + "  ".join(f"{mode} {value:.1f} B/msg" for mode, value in values.items()),
+            file=sys.stderr,
+            flush=True,
+        )
+        self.report.notes.append(
+            f"store heap: gc.mem_alloc() after gc.collect() inside the MicroPython unix port "
+            f"(64-bit) before the store is made and after {count:,} retained messages are in "
+            f"it, / {count:,}; each message made as the broker makes one (its own topic str "
+            f"and bytes, its own 64-byte payload), capacity = {count:,} "
+            f"(max_retained_messages); ram = edgebroker.RamStore, disc/disc_only = "
+            f"edgestore.FlashStore. Run with -X heapsize={HEAP_SCRIPT_HEAP} so that ram and "
+            f"disc fit."
+        )
+
+    def scenario_retained_rm10(self) -> None:
+        s = self.sizes
+        n = s.rm10_count
+        window = 10
+        got = self.report.metric(
+            "retained rm10",
+            f"delivered of {n:,} (Receive Maximum {window})",
+            "count",
+            "none",
+            [Target(k, ">=", float(n)) for k in EDGE],
+            note="edgebroker storage_type disc_only (MicroPython's 2 MB default heap holds "
+            "about 5,400 RAM-store messages, not 20,000); mosquitto with its defaults",
+        )
+        took = self.report.metric("retained rm10", "time to the last one delivered", "s", "none")
+        for kind in self.brokers:
+            extra = STORE_EDGE_EXTRA if kind != "mosquitto" else None
+            broker = self.start(kind, f"{kind}-rm10", extra)
+            if broker is None:
+                got.add(kind, None)
+                continue
+            try:
+                rate = preload_retained(broker.port, n, s.retained_payload, "bench/rm/", kind)
+                print(
+                    f"  rm10 pre-load {kind:<11} {n:,} in {n / rate:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                res = run_rm10_subscriber(broker.port, n, b"bench/rm/", window, 3.0, 120.0, kind)
+            except (BenchError, OSError) as exc:
+                self.report.problem(f"retained-rm10 on {broker.label}: {exc}")
+                got.add(kind, None)
+                continue
+            finally:
+                self.stop(broker)
+            got.add(kind, res["delivered"])
+            took.add(kind, res["time"])
+            if res["dups"] or res["not_retained"]:
+                self.report.problem(
+                    f"retained-rm10 on {broker.label}: {res['dups']:.0f} duplicates, "
+                    f"{res['not_retained']:.0f} without RETAIN"
+                )
+            print(
+                f"  rm10   {kind:<11} {res['delivered']:,.0f}/{n:,} in {res['time']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.report.notes.append(
+            f"retained rm10: {n:,} retained QoS 1 messages on distinct topics (pre-loaded "
+            f"16 in flight), then a 5.0 client with Receive Maximum {window} subscribes '#' "
+            f"at QoS 1 and acknowledges each PUBLISH as it arrives; counted until nothing "
+            f"new comes for 3 s. mosquitto runs with its defaults (max_queued_messages 1000, "
+            f"max_inflight_messages 20)."
+        )
+
 
 def file_sha256(path: Path) -> str | None:
     try:
@@ -2081,6 +2697,15 @@ def run_bench(
         if "memory" in only:
             print("scenario memory:", file=sys.stderr, flush=True)
             bench.scenario_memory()
+        for name, run in (
+            ("store-wear", bench.scenario_store_wear),
+            ("store-open", bench.scenario_store_open),
+            ("store-heap", bench.scenario_store_heap),
+            ("retained-rm10", bench.scenario_retained_rm10),
+        ):
+            if name in only:
+                print(f"scenario {name}:", file=sys.stderr, flush=True)
+                run()
     finally:
         bench.stop_all()
     return bench
@@ -2101,7 +2726,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m edgebroker_tools.bench",
         description=(
             "Benchmark edgebroker under CPython and MicroPython against mosquitto "
-            "(QoS 0 fan-in, QoS 1 end to end, '#' over retained, memory)."
+            "(QoS 0 fan-in, QoS 1 end to end, '#' over retained, memory) and the flash "
+            "retained store (write amplification, open time, heap per message, delivery "
+            "of 20,000 retained messages to a Receive Maximum 10 subscriber)."
         ),
     )
     parser.add_argument("--quick", action="store_true", help="small counts (smoke test)")

@@ -2,6 +2,7 @@
 
     edgebroker run [--board boards/host.json] [--port 1883] ...
     edgebroker store inspect FILE [--json] | edgebroker store check FILE
+    edgebroker fleet collect|build|report|synth ...
 
 Subcommands are separate modules under edgebroker_tools.commands (see its
 docstring); this module only assembles them and turns their errors into
@@ -16,13 +17,21 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from edgebroker_tools import __version__
-from edgebroker_tools.commands import CommandError, build, config, emulate, flash, run, store
+from edgebroker_tools.commands import (
+    CommandError,
+    build,
+    config,
+    emulate,
+    flash,
+    fleet,
+    run,
+    store,
+)
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
 
 #: Registration functions, one per subcommand module, in help order.
-#: Planned: fleet.
 COMMANDS: Final[tuple[Callable[[Subparsers], None], ...]] = (
     run.register,
     emulate.register,
@@ -30,6 +39,7 @@ COMMANDS: Final[tuple[Callable[[Subparsers], None], ...]] = (
     build.register,
     flash.register,
     store.register,
+    fleet.register,
 )
 
 EXIT_USAGE: Final = 2

@@ -1,0 +1,465 @@
+"""The fleet pipeline end to end: real brokers -> `fleet collect` -> `fleet build` -> tables.
+
+Three host-build brokers (CPython, lib/edgebroker.py) on loopback ports with
+different retained content and limits, plus one inventory entry that
+nothing listens on. Round 1 is collected and built; then values change
+(an update, a delete, new topics) and round 2 is collected and merged in.
+The tables must hold exactly the expected rows; a rebuild changes nothing;
+a fresh build of the same snapshots gives the same tables as the two
+incremental builds; bad input files are reported and skipped; the job runs
+under spark-submit with two executor JVMs (local-cluster) with the same
+result.
+
+One SparkSession (local[2], bound to 127.0.0.1, Python workers on this
+interpreter) serves the whole module; the spark-submit test starts its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pyarrow.parquet as pq
+import pytest
+from mqtt_helpers import free_port
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edgebroker_tools import runner
+from edgebroker_tools.cli import main as cli_main
+from edgebroker_tools.fleet import job
+from edgebroker_tools.fleet import spark as fleet_spark
+from edgebroker_tools.fleet.job_args import Options
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "host_tests" / "data"
+BIN = Path(sys.executable).parent
+TABLE_NAMES = ("fleet_state", "topic_history", "gateway_health", "limits_advice")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ----------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """The suite's one local SparkSession."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session, owned = fleet_spark.session("local[2]", driver_memory="2g", shuffle_partitions=4)
+    yield session
+    if owned:
+        session.stop()
+
+
+class Broker:
+    def __init__(self, name: str, profile: dict[str, Any], tmp: Path) -> None:
+        self.name = name
+        self.port = free_port()
+        self.profile_path = tmp / f"{name}.json"
+        self.profile_path.write_text(json.dumps(profile))
+        data = tmp / f"{name}-data"
+        data.mkdir()
+        cmd = runner.broker_command(board=self.profile_path, port=self.port, data_dir=data)
+        self.log = (tmp / f"{name}.log").open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, cwd=REPO
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith("edgebroker listening on"), line
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+def _profile(board: str, **overrides: Any) -> dict[str, Any]:
+    profile: dict[str, Any] = json.loads((REPO / "boards" / f"{board}.json").read_text())
+    profile.update(sys_interval=1, **overrides)
+    return profile
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    brokers = {
+        # esp32 with tiny limits: the 5th topic and a 100-byte payload are refused
+        "gw-esp": Broker(
+            "gw-esp",
+            _profile("esp32", max_retained_messages=4, max_payload_size=64,
+                     store_budget_bytes=4096, max_clients=4),
+            tmp,
+        ),  # fmt: skip
+        "gw-pico": Broker("gw-pico", _profile("rp2040_picow", max_clients=4), tmp),
+        "gw-host": Broker(
+            "gw-host", _profile("host", allow_anonymous=False, users={"fleet": "s3cret"}), tmp
+        ),
+    }
+    (tmp / "secrets.json").write_text(json.dumps({"lab": {"username": "fleet", "password": "s3cret"}}))
+    inventory = {
+        "secrets": "secrets.json",
+        "gateways": [
+            *(
+                {"id": name, "host": "127.0.0.1", "port": b.port, "board": b.profile_path.name}
+                | ({"credentials": "lab"} if name == "gw-host" else {})
+                for name, b in brokers.items()
+            ),
+            {"id": "gw-dead", "host": "127.0.0.1", "port": free_port(), "board": "esp32"},
+        ],
+    }
+    (tmp / "fleet.json").write_text(json.dumps(inventory))
+    try:
+        yield {"tmp": tmp, "brokers": brokers, "inventory": tmp / "fleet.json"}
+    finally:
+        for b in brokers.values():
+            b.stop()
+
+
+def publish(broker: Broker, messages: list[tuple[str, bytes, int, dict[str, Any]]]) -> None:
+    """Retained PUBLISHes over MQTT 5 (paho), each acknowledged before the next."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    if broker.name == "gw-host":
+        client.username_pw_set("fleet", "s3cret")
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    try:
+        for topic, payload, qos, props in messages:
+            p = Properties(PacketTypes.PUBLISH)
+            for key, value in props.items():
+                setattr(p, key, value)
+            info = client.publish(topic, payload, qos=qos, retain=True, properties=p)
+            if qos:
+                info.wait_for_publish(10)
+        time.sleep(0.3)  # QoS 0 ones out of the socket
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def collect(fleet: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    before = len(_log(out))
+    code = cli_main(
+        ["fleet", "collect", "--inventory", str(fleet["inventory"]), "--out", str(out),
+         "--quiet", "0.5", "--timeout", "10", "--retries", "1", "--no-progress"]
+    )  # fmt: skip
+    assert code == 1  # gw-dead failed, the others did not stop because of it
+    return _log(out)[before:]
+
+
+def _log(out: Path) -> list[dict[str, Any]]:
+    path = out / "collect_log.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rows(warehouse: Path, name: str) -> list[dict[str, Any]]:
+    table = pq.read_table(warehouse / name)
+    out = table.to_pylist()
+    return sorted(out, key=lambda r: json.dumps(r, sort_keys=True, default=str))
+
+
+def tables(warehouse: Path) -> dict[str, list[dict[str, Any]]]:
+    return {name: rows(warehouse, name) for name in TABLE_NAMES}
+
+
+ROUND1 = {
+    "gw-esp": [
+        ("site/esp/temp", b"21.5", 1, {"ContentType": "text/plain", "UserProperty": [("unit", "C")]}),
+        ("site/esp/hum", b"40", 1, {}),
+        ("site/esp/status", b"online", 1, {}),
+        ("site/esp/cfg", b'{"mode":"eco"}', 2, {"PayloadFormatIndicator": 1}),
+        ("site/esp/extra", b"x", 1, {}),  # 5th topic: refused (retained_full)
+        ("site/esp/big", b"B" * 100, 1, {}),  # over max_payload_size: refused
+    ],
+    "gw-pico": [
+        ("pico/a/temp", b"19.0", 1, {}),
+        ("pico/a/blob", b"\x00\x01\xfe\xff", 1, {}),
+        ("pico/a/alarm", b"door open", 1, {"MessageExpiryInterval": 3600}),
+    ],
+    "gw-host": [("h/x", b"1", 0, {}), ("h/y", b"2", 1, {})],
+}  # fmt: skip
+ROUND2 = {
+    "gw-esp": [
+        ("site/esp/temp", b"22.0", 1, {"ContentType": "text/plain", "UserProperty": [("unit", "C")]}),
+        ("site/esp/status", b"", 1, {}),  # delete
+        ("site/esp/door", b"closed", 1, {}),
+    ],
+    "gw-host": [("h/x", b"10", 1, {}), ("h/z", b"3", 1, {})],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def round1(fleet: dict[str, Any], spark: Any) -> dict[str, Any]:
+    for name, msgs in ROUND1.items():
+        publish(fleet["brokers"][name], msgs)
+    time.sleep(1.2)  # $SYS republished (sys_interval 1) with the refusals in it
+    snaps = fleet["tmp"] / "snapshots"
+    log = collect(fleet, snaps)
+    wh = fleet["tmp"] / "warehouse"
+    result = job.build(spark, Options(snaps, wh))
+    return {"log": log, "snapshots": snaps, "warehouse": wh, "result": result}
+
+
+@pytest.fixture(scope="module")
+def round2(fleet: dict[str, Any], round1: dict[str, Any], spark: Any) -> dict[str, Any]:
+    for name, msgs in ROUND2.items():
+        publish(fleet["brokers"][name], msgs)
+    time.sleep(1.2)
+    log = collect(fleet, round1["snapshots"])
+    result = job.build(spark, Options(round1["snapshots"], round1["warehouse"]))
+    return {**round1, "log2": log, "result2": result, "tables": tables(round1["warehouse"])}
+
+
+def _times(log: list[dict[str, Any]]) -> dict[str, datetime]:
+    return {
+        e["gateway_id"]: datetime.fromisoformat(e["collected_at"]) for e in log if e["status"] == "ok"
+    }
+
+
+# -------------------------------------------------------------------- tests
+def test_collect_writes_one_snapshot_per_gateway_and_logs_the_unreachable(
+    round1: dict[str, Any],
+) -> None:
+    log = {e["gateway_id"]: e for e in round1["log"]}
+    assert set(log) == {"gw-esp", "gw-pico", "gw-host", "gw-dead"}
+    dead = log["gw-dead"]
+    assert dead["status"] == "failed" and dead["attempts"] == 2 and "connect" in dead["error"]
+    assert {e["retained"] for n, e in log.items() if n != "gw-dead"} == {4, 3, 2}
+    for name in ("gw-esp", "gw-pico", "gw-host"):
+        path = round1["snapshots"] / log[name]["file"]
+        assert path.parent.name.startswith("date=")
+        table = pq.read_table(path)
+        topics = [t for t in table.column("topic").to_pylist() if t]
+        assert any(t.startswith("$SYS/broker/") for t in topics)  # the statistics came too
+        assert set(table.column("gateway_id").to_pylist()) == {name}
+    esp = pq.read_table(round1["snapshots"] / log["gw-esp"]["file"]).to_pylist()
+    temp = next(r for r in esp if r["topic"] == "site/esp/temp")
+    assert temp["payload"] == b"21.5" and temp["payload_text"] == "21.5" and temp["qos"] == 1
+    assert temp["content_type"] == "text/plain"
+    assert temp["user_properties"] == [{"key": "unit", "value": "C"}]
+    assert temp["limit_max_retained_messages"] == 4 and temp["board"] == "esp32"
+    pico = pq.read_table(round1["snapshots"] / log["gw-pico"]["file"]).to_pylist()
+    blob = next(r for r in pico if r["topic"] == "pico/a/blob")
+    assert blob["payload_text"] is None  # not UTF-8
+    alarm = next(r for r in pico if r["topic"] == "pico/a/alarm")
+    assert 3590 <= alarm["message_expiry"] <= 3600
+
+
+def test_first_build_holds_exactly_the_retained_state(round1: dict[str, Any]) -> None:
+    wh = round1["warehouse"]
+    state = {(r["gateway_id"], r["topic"]): r for r in rows(wh, "fleet_state")}
+    expected = {
+        (gw, topic): payload
+        for gw, msgs in ROUND1.items()
+        for topic, payload, _q, _p in msgs
+        if topic not in ("site/esp/extra", "site/esp/big")
+    }
+    assert {k: r["payload"] for k, r in state.items()} == expected
+    assert all(r["change_count"] == 0 and r["present"] and not r["stale"] for r in state.values())
+    assert state[("gw-esp", "site/esp/temp")]["value"] == 21.5
+    assert state[("gw-pico", "pico/a/alarm")]["expires_at"] is not None
+    assert state[("gw-esp", "site/esp/status")]["value"] is None
+    assert len(rows(wh, "topic_history")) == len(expected)
+    health = {r["gateway_id"]: r for r in rows(wh, "gateway_health")}
+    assert set(health) == {"gw-esp", "gw-pico", "gw-host"}
+    esp = health["gw-esp"]
+    assert esp["retained_count"] == 4 and esp["sys_retained_count"] == 4
+    assert esp["limit_max_retained_messages"] == 4 and esp["retained_util"] == 1.0
+    assert esp["near_retained_limit"] and esp["near_limit"]
+    refusals = dict(esp["refusals"])  # a Parquet map reads as (key, value) pairs
+    assert refusals["retained_full"] >= 1 and refusals["retained_too_large"] >= 1
+    assert esp["retained_bytes"] == esp["sys_retained_bytes"]  # the broker's own measure
+    assert not health["gw-host"]["near_limit"] and health["gw-host"]["refusals_total"] == 0
+    assert round1["result"].skipped == []
+
+
+def test_second_run_updates_state_and_history(round2: dict[str, Any]) -> None:
+    t = round2["tables"]
+    t1, t2 = _times(round2["log"]), _times(round2["log2"])
+    state = {(r["gateway_id"], r["topic"]): r for r in t["fleet_state"]}
+    assert {k: r["payload"] for k, r in state.items()} == {
+        ("gw-esp", "site/esp/temp"): b"22.0",
+        ("gw-esp", "site/esp/hum"): b"40",
+        ("gw-esp", "site/esp/status"): b"online",  # the last value it held
+        ("gw-esp", "site/esp/cfg"): b'{"mode":"eco"}',
+        ("gw-esp", "site/esp/door"): b"closed",
+        ("gw-pico", "pico/a/temp"): b"19.0",
+        ("gw-pico", "pico/a/blob"): b"\x00\x01\xfe\xff",
+        ("gw-pico", "pico/a/alarm"): b"door open",
+        ("gw-host", "h/x"): b"10",
+        ("gw-host", "h/y"): b"2",
+        ("gw-host", "h/z"): b"3",
+    }
+    temp = state[("gw-esp", "site/esp/temp")]
+    assert temp["change_count"] == 1 and temp["value"] == 22.0
+    assert temp["first_seen"] == t1["gw-esp"] and temp["last_changed"] == t2["gw-esp"]
+    status = state[("gw-esp", "site/esp/status")]
+    assert status["stale"] and status["stale_reason"] == "gone" and not status["present"]
+    fresh = [r for k, r in state.items() if k != ("gw-esp", "site/esp/status")]
+    assert not any(r["stale"] for r in fresh)
+    assert state[("gw-esp", "site/esp/door")]["first_seen"] == t2["gw-esp"]
+    assert state[("gw-pico", "pico/a/temp")]["last_seen"] == t2["gw-pico"]
+    history = {
+        (r["gateway_id"], r["topic"], r["segment"]): (
+            r["payload"], r["valid_from"], r["valid_to"], r["ended_by"], r["observations"]
+        )
+        for r in t["topic_history"]
+    }
+    e1, e2, p1, p2, h1, h2 = (t1["gw-esp"], t2["gw-esp"], t1["gw-pico"], t2["gw-pico"],
+                              t1["gw-host"], t2["gw-host"])  # fmt: skip
+    assert history == {
+        ("gw-esp", "site/esp/temp", 1): (b"21.5", e1, e2, "changed", 1),
+        ("gw-esp", "site/esp/temp", 2): (b"22.0", e2, None, None, 1),
+        ("gw-esp", "site/esp/hum", 1): (b"40", e1, None, None, 2),
+        ("gw-esp", "site/esp/status", 1): (b"online", e1, e2, "gone", 1),
+        ("gw-esp", "site/esp/cfg", 1): (b'{"mode":"eco"}', e1, None, None, 2),
+        ("gw-esp", "site/esp/door", 1): (b"closed", e2, None, None, 1),
+        ("gw-pico", "pico/a/temp", 1): (b"19.0", p1, None, None, 2),
+        ("gw-pico", "pico/a/blob", 1): (b"\x00\x01\xfe\xff", p1, None, None, 2),
+        ("gw-pico", "pico/a/alarm", 1): (b"door open", p1, None, None, 2),
+        ("gw-host", "h/x", 1): (b"1", h1, h2, "changed", 1),
+        ("gw-host", "h/x", 2): (b"10", h2, None, None, 1),
+        ("gw-host", "h/y", 1): (b"2", h1, None, None, 2),
+        ("gw-host", "h/z", 1): (b"3", h2, None, None, 1),
+    }
+    health = t["gateway_health"]
+    assert len(health) == 6
+    assert sum(r["is_latest"] for r in health) == 3
+    result = round2["result2"]
+    assert result.new_files == 3 and len(result.ingested) == 3  # only round 2's files read
+
+
+def test_rebuild_is_idempotent_and_equals_a_fresh_build(
+    round2: dict[str, Any], spark: Any, tmp_path: Path
+) -> None:
+    wh = round2["warehouse"]
+    again = job.build(spark, Options(round2["snapshots"], wh))
+    assert again.new_files == 0
+    assert tables(wh) == round2["tables"]
+    fresh = tmp_path / "fresh"
+    job.build(spark, Options(round2["snapshots"], fresh))
+    assert tables(fresh) == round2["tables"]  # one build over both rounds == two builds
+    # a copied snapshot (same collection under another name) is counted once
+    src = next((round2["snapshots"] / "retained").rglob("gw-host__*.parquet"))
+    shutil.copy(src, src.with_name("copy-of-" + src.name))
+    dup = job.build(spark, Options(round2["snapshots"], wh))
+    assert dup.new_files == 1
+    assert tables(wh) == round2["tables"]
+    src.with_name("copy-of-" + src.name).unlink()
+
+
+def _store(snaps: Path, source: Path, gateway: str, when: str) -> Path:
+    folder = snaps / "stores" / "date=2025-06-01"
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / f"{gateway}__{when}.ebrs"
+    shutil.copy(source, dest)
+    meta = {"gateway_id": gateway, "board": "esp32", "collected_at": "2025-06-01T10:00:00Z",
+            "source": "store", "run_id": "pulled", "limits": {"max_retained_messages": 256}}  # fmt: skip
+    dest.with_name(dest.name + ".json").write_text(json.dumps(meta))
+    return dest
+
+
+def test_bad_files_are_reported_and_skipped_nothing_else_lost(
+    round2: dict[str, Any], spark: Any, tmp_path: Path
+) -> None:
+    snaps = tmp_path / "snaps"
+    shutil.copytree(round2["snapshots"], snaps)
+    day = next((snaps / "retained").iterdir())
+    (day / "garbage.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    good = next(day.glob("gw-pico__*.parquet"))
+    (day / "truncated.parquet").write_bytes(good.read_bytes()[:-20])
+    _store(snaps, DATA / "good.ebrs", "gw-store", "20250601T100000000000Z")
+    _store(snaps, DATA / "bad_magic.ebrs", "gw-bad", "20250601T100000000000Z")
+    _store(snaps, DATA / "corrupt_record.ebrs", "gw-corrupt", "20250601T100000000000Z")
+    orphan = snaps / "stores" / "date=2025-06-01" / "gw-orphan__x.ebrs"
+    shutil.copy(DATA / "good.ebrs", orphan)  # no .json beside it
+    wh = tmp_path / "wh"
+    result = job.build(spark, Options(snaps, wh))
+    skipped = {Path(s["path"]).name: s["error"] for s in result.skipped}
+    assert set(skipped) == {
+        "garbage.parquet", "truncated.parquet", "gw-bad__20250601T100000000000Z.ebrs",
+        "gw-corrupt__20250601T100000000000Z.ebrs", "gw-orphan__x.ebrs",
+    }  # fmt: skip
+    assert "bad_magic" in skipped["gw-bad__20250601T100000000000Z.ebrs"]
+    assert "corrupt record" in skipped["gw-corrupt__20250601T100000000000Z.ebrs"]
+    state = rows(wh, "fleet_state")
+    store = {r["topic"]: r for r in state if r["gateway_id"] == "gw-store"}
+    # good.ebrs as the broker would load it (alerts/door has expired by then)
+    assert {t: r["payload"] for t, r in store.items()} == {
+        "sensors/t1": b"22.0", "config/mode": b"auto", "$app/version": b"1.2",
+        "caf\u00e9/\u6c34": b"\x00\x01\xff",
+    }  # fmt: skip
+    assert store["config/mode"]["content_type"] == "text/plain"
+    assert store["sensors/t1"]["stale_reason"] == "gateway_silent"  # pulled long before as_of
+    others = [r for r in state if r["gateway_id"] != "gw-store"]
+    assert others == round2["tables"]["fleet_state"]
+    # the damaged store, taken as the broker would keep it
+    wh2 = tmp_path / "wh2"
+    kept = job.build(spark, Options(snaps, wh2, keep_damaged_stores=True))
+    assert "gw-corrupt__20250601T100000000000Z.ebrs" not in {
+        Path(s["path"]).name for s in kept.skipped
+    }
+    assert any(r["gateway_id"] == "gw-corrupt" for r in rows(wh2, "fleet_state"))
+
+
+def test_report_and_advice_patches(round2: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    wh = round2["warehouse"]
+    assert cli_main(["fleet", "report", str(wh)]) == 0
+    out = capsys.readouterr().out
+    assert "esp32" in out and "stale topics" in out and "limits advice" in out
+    page = (wh / "report.html").read_text()
+    assert page.count("<svg") >= 6
+    assert "<script" not in page and "src=" not in page and "https://" not in page
+    advice = {r["board"]: r for r in rows(wh, "limits_advice")}
+    assert set(advice) == {"esp32", "rp2040_picow", "host"}
+    esp = advice["esp32"]
+    # gw-esp refused at its limit of 4: the advice raises it with the headroom
+    assert esp["suggested_max_retained_messages"] >= 8
+    patch = wh / esp["patch_file"]
+    assert json.loads(patch.read_text())["max_retained_messages"] == esp[
+        "suggested_max_retained_messages"
+    ]
+    code = cli_main(["config", "apply", "esp32", str(patch)])
+    capsys.readouterr()
+    assert (code == 0) == (esp["check_status"] == "ok")
+
+
+def test_job_runs_under_spark_submit_with_two_executor_jvms(
+    round2: dict[str, Any], tmp_path: Path
+) -> None:
+    """local-cluster[2,1,1024]: two executor JVMs, so nothing may rest on driver state."""
+    submit = BIN / "spark-submit"
+    wh = tmp_path / "wh"
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+               SPARK_LOCAL_IP="127.0.0.1")  # fmt: skip
+    cmd = [
+        str(submit), "--master", "local-cluster[2,1,1024]",
+        "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+        "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.session.timeZone=UTC",
+        "--conf", "spark.sql.shuffle.partitions=4",
+        str(REPO / "tools" / "edgebroker_tools" / "fleet" / "job.py"),
+        "--snapshots", str(round2["snapshots"]), "--out", str(wh),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "ingested" in proc.stdout
+    assert tables(wh) == round2["tables"]

@@ -1,0 +1,287 @@
+"""Fleet pipeline pieces without Spark: MQTT 5 properties, the inventory, the
+collector against misbehaving and silent servers, the executor-side readers
+(snapshot Parquet and the golden store files), synth and the progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import struct
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mqtt_helpers import free_port
+
+from edgebroker_tools.cli import main as cli_main
+from edgebroker_tools.fleet import collect, decode, mqtt5, props, synth
+from edgebroker_tools.fleet.inventory import InventoryError, load_inventory
+from edgebroker_tools.fleet.progress import Progress
+from edgebroker_tools.fleet.schema import SNAPSHOT_SCHEMA
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "host_tests" / "data"
+WHEN = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)
+
+
+# ------------------------------------------------------------------ props
+def test_properties_round_trip_and_stored_size() -> None:
+    raw = props.encode(
+        payload_format=1,
+        message_expiry=60,
+        content_type="text/plain",
+        user_properties=[("unit", "C"), ("unit", "F")],
+    )
+    p = props.decode(raw)
+    assert (p.payload_format, p.message_expiry, p.content_type) == (1, 60, "text/plain")
+    assert p.user_properties == [("unit", "C"), ("unit", "F")]  # order and repeats kept
+    assert p.stored_bytes == len(raw) - 5  # Message Expiry is per delivery, not stored
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [(b"\x7f\x00", "unknown property"), (b"\x03\x00\x09abc", "cut short"),
+     (b"\x03\x00\x02\xff\xfe", "not UTF-8")],
+)  # fmt: skip
+def test_bad_properties_are_refused(raw: bytes, why: str) -> None:
+    with pytest.raises(props.PropertyError, match=why):
+        props.decode(raw)
+
+
+# -------------------------------------------------------------- inventory
+def _inventory(tmp_path: Path, gateways: list[dict[str, Any]], **extra: Any) -> Path:
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"gateways": gateways, **extra}))
+    return path
+
+
+def test_inventory_resolves_boards_limits_and_credentials(tmp_path: Path) -> None:
+    (tmp_path / "secrets.json").write_text(json.dumps({"a": {"username": "u", "password": "p"}}))
+    path = _inventory(
+        tmp_path,
+        [
+            {"id": "gw-1", "host": "10.0.0.5", "board": "esp32", "credentials": "a"},
+            {"id": "gw-2", "host": "10.0.0.6", "port": 1884, "board": "rp2040_picow",
+             "overrides": {"max_retained_messages": 300}},
+            {"id": "gw-3", "board": "esp32", "store": "pulled.ebrs",
+             "collected_at": "2025-06-01T10:00:00Z"},
+        ],
+        secrets="secrets.json",
+    )  # fmt: skip
+    gws = {g.id: g for g in load_inventory(path)}
+    assert gws["gw-1"].username == "u" and gws["gw-1"].password == "p"
+    assert gws["gw-1"].limits["max_retained_messages"] == 256
+    assert gws["gw-2"].limits["max_retained_messages"] == 300 and gws["gw-2"].port == 1884
+    assert gws["gw-2"].board == "rp2040_picow"
+    assert gws["gw-3"].store == tmp_path / "pulled.ebrs" and gws["gw-3"].collected_at == WHEN
+
+
+@pytest.mark.parametrize(
+    ("gateways", "says"),
+    [
+        ([{"id": "a b", "host": "h", "board": "esp32"}], "must be 1-64 letters"),
+        ([{"id": "x", "host": "h", "board": "esp32"}] * 2, "duplicate id"),
+        ([{"id": "x", "host": "h", "board": "esp32", "port": 0}], "port 0"),
+        ([{"id": "x", "host": "h", "board": "nope"}], "unknown board"),
+        ([{"id": "x", "board": "esp32"}], "'host' (or 'store') is required"),
+        ([{"id": "x", "host": "h", "board": "esp32", "credentials": "zz"}], "not in the secrets"),
+        ([{"id": "x", "host": "h", "board": "esp32", "colour": 1}], "unknown key(s) colour"),
+    ],
+)
+def test_inventory_errors_name_the_problem(
+    tmp_path: Path, gateways: list[dict[str, Any]], says: str
+) -> None:
+    with pytest.raises(InventoryError) as err:
+        load_inventory(_inventory(tmp_path, gateways))
+    assert says in str(err.value)
+
+
+def test_collect_cli_reports_a_bad_inventory_as_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_text("{not json")
+    assert cli_main(["fleet", "collect", "--inventory", str(path), "--out", str(tmp_path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------- collector
+async def _serve(handler: Any) -> tuple[asyncio.Server, int]:
+    port = free_port()
+    server = await asyncio.start_server(handler, "127.0.0.1", port)
+    return server, port
+
+
+def test_gather_fails_on_garbage_and_on_a_gateway_that_never_goes_quiet() -> None:
+    async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read(100)
+        w.write(b"\x20\x02\x00\x00" + b"\xff" * 8)  # CONNACK ok, then nonsense
+        await w.drain()
+        await asyncio.sleep(0.5)
+        w.close()
+
+    async def chatty(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read(100)
+        w.write(b"\x20\x03\x00\x00\x00")  # CONNACK
+        await r.read(100)
+        w.write(b"\x90\x05\x00\x01\x00\x00\x00")  # SUBACK, 2 filters granted QoS 0
+        n = 0
+        while n < 1000:  # a retained message every 50 ms: never quiet for 0.3 s... almost
+            n += 1
+            topic = f"t/{n}".encode()
+            body = struct.pack(">H", len(topic)) + topic + b"\x00" + b"v"
+            w.write(bytes((0x31, len(body))) + body)
+            await w.drain()
+            await asyncio.sleep(0.05)
+
+    async def run() -> tuple[str, str]:
+        s1, p1 = await _serve(garbage)
+        s2, p2 = await _serve(chatty)
+        async with s1, s2:
+            with pytest.raises(mqtt5.CollectError) as e1:
+                await mqtt5.gather_retained("127.0.0.1", p1, quiet=0.3, timeout=3)
+            with pytest.raises(mqtt5.CollectError) as e2:
+                await mqtt5.gather_retained("127.0.0.1", p2, quiet=0.3, timeout=1.0)
+        return str(e1.value), str(e2.value)
+
+    first, second = asyncio.run(run())
+    assert "malformed remaining length" in first
+    assert "no quiet period within 1 s" in second
+
+
+def test_collect_logs_failures_and_keeps_going(tmp_path: Path) -> None:
+    path = _inventory(
+        tmp_path,
+        [{"id": f"gw-{i}", "host": "127.0.0.1", "port": free_port(), "board": "esp32"}
+         for i in range(5)]
+        + [{"id": "gw-store", "board": "esp32", "store": str(DATA / "good.ebrs"),
+            "collected_at": "2025-06-01T10:00:00Z"}],
+    )  # fmt: skip
+    out = tmp_path / "snaps"
+    opts = collect.Options(concurrency=2, timeout=2, retries=1, backoff=0.05)
+    results = collect.run(load_inventory(path), out, opts, show_progress=False)
+    assert sum(r.ok for r in results) == 1
+    log = [json.loads(x) for x in (out / "collect_log.jsonl").read_text().splitlines()]
+    assert len(log) == 6
+    assert {e["gateway_id"] for e in log if e["status"] == "failed"} == {f"gw-{i}" for i in range(5)}
+    assert all(e["attempts"] == 2 for e in log if e["status"] == "failed")
+    store = next(e for e in log if e["gateway_id"] == "gw-store")
+    copied = out / store["file"]
+    assert copied.read_bytes() == (DATA / "good.ebrs").read_bytes()
+    meta = json.loads(copied.with_name(copied.name + ".json").read_text())
+    assert meta["gateway_id"] == "gw-store" and meta["limits"]["max_payload_size"] == 512
+
+
+def test_progress_bar_draws_on_a_tty_and_by_tenths_otherwise() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    with Progress(3, "collect", stream=tty) as bar:
+        for ok in (True, False, True):
+            bar.advance(ok)
+    assert tty.getvalue().count("\r") == 4 and "3/3 failed 1" in tty.getvalue()
+    plain = io.StringIO()
+    with Progress(100, "collect", stream=plain) as bar:
+        for _ in range(100):
+            bar.advance()
+    assert len(plain.getvalue().splitlines()) == 11  # 0%, 10%, ... 100%
+
+
+# ---------------------------------------------------------------- readers
+META = decode.CollectionMeta("gw-s", "esp32", WHEN, "store", "r1", {"max_retained_messages": 256})
+
+
+def test_store_file_decodes_as_the_broker_would_load_it() -> None:
+    table = decode.read_store(str(DATA / "good.ebrs"), META)
+    assert table.schema == SNAPSHOT_SCHEMA
+    rows = {r["topic"]: r for r in table.to_pylist()}
+    assert rows[None]["gateway_id"] == "gw-s"  # the collection's header row
+    assert {t: r["payload"] for t, r in rows.items() if t} == {
+        "sensors/t1": b"22.0", "config/mode": b"auto", "$app/version": b"1.2",
+        "caf\u00e9/\u6c34": b"\x00\x01\xff",
+    }  # fmt: skip  (alerts/door's Message Expiry has run out by WHEN)
+    assert rows["sensors/t1"]["qos"] == 2  # the replacing PUT's
+    assert rows["config/mode"]["content_type"] == "text/plain"
+    assert rows["caf\u00e9/\u6c34"]["payload_text"] is None
+    assert rows["sensors/t1"]["limit_max_retained_messages"] == 256
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [("bad_magic.ebrs", "bad_magic"), ("future_version.ebrs", "future_version"),
+     ("torn_tail.ebrs", "torn tail"), ("corrupt_record.ebrs", "corrupt record")],
+)  # fmt: skip
+def test_damaged_store_files_are_refused(name: str, says: str) -> None:
+    with pytest.raises(decode.DecodeError, match=says):
+        decode.read_store(str(DATA / name), META)
+
+
+def test_damaged_store_kept_on_request_is_the_good_prefix() -> None:
+    table = decode.read_store(str(DATA / "torn_tail.ebrs"), META, keep_damaged=True)
+    assert table.num_rows >= 2
+
+
+def test_snapshot_reader_fills_optional_columns_and_refuses_non_snapshots(tmp_path: Path) -> None:
+    minimal = pa.table(
+        {
+            "gateway_id": ["g", "g"],
+            "collected_at": pa.array([WHEN, WHEN], pa.timestamp("ms")),  # naive, ms: cast
+            "topic": ["a", "b"],
+            "payload": [b"1", b"\xff"],
+        }
+    )
+    pq.write_table(minimal, tmp_path / "min.parquet")
+    table = decode.read_snapshot(str(tmp_path / "min.parquet"))
+    assert table.schema == SNAPSHOT_SCHEMA
+    assert table.num_rows == 3  # a header row added for the collection
+    assert [r["payload_text"] for r in table.to_pylist() if r["topic"]] == ["1", None]
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(decode.DecodeError, match="not a snapshot"):
+        decode.read_snapshot(str(tmp_path / "other.parquet"))
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1junk")
+    with pytest.raises(decode.DecodeError, match="unreadable Parquet"):
+        decode.read_snapshot(str(tmp_path / "junk.parquet"))
+
+
+def test_ingest_reports_each_file_and_yields_only_good_ones(tmp_path: Path) -> None:
+    (tmp_path / "junk.parquet").write_bytes(b"nope")
+    units = pa.RecordBatch.from_pylist(
+        [
+            {"kind": "store", "path": str(DATA / "good.ebrs"), "meta": META.to_json(),
+             "keep_damaged": False},
+            {"kind": "parquet", "path": str(tmp_path / "junk.parquet"), "meta": None,
+             "keep_damaged": False},
+            {"kind": "store", "path": str(DATA / "empty.ebrs"), "meta": META.to_json(),
+             "keep_damaged": False},
+        ]
+    )  # fmt: skip
+    statuses: list[decode.FileStatus] = []
+    batches = list(decode.ingest([units], statuses))
+    assert sum(b.num_rows for b in batches) == 5 + 1  # good: header + 4, empty: header
+    assert [(Path(s.path).name, s.rows, bool(s.error)) for s in statuses] == [
+        ("good.ebrs", 5, False), ("junk.parquet", 0, True), ("empty.ebrs", 1, False),
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------ synth
+def test_synth_is_deterministic_and_has_the_asked_shape(tmp_path: Path) -> None:
+    a = synth.generate(tmp_path / "a", 30, 20, 3, seed=7, missing=0.0, per_file=10)
+    b = synth.generate(tmp_path / "b", 30, 20, 3, seed=7, missing=0.0, per_file=10)
+    assert a.rows == 30 * 20 * 3 and a.files == 9
+    for fa in sorted((tmp_path / "a").rglob("*.parquet")):
+        fb = tmp_path / "b" / fa.relative_to(tmp_path / "a")
+        assert pq.read_table(fa).equals(pq.read_table(fb))
+    t = pq.read_table(next((tmp_path / "a").rglob("synth-000-00000.parquet")))
+    assert t.schema == SNAPSHOT_SCHEMA
+    rows = t.to_pylist()
+    assert sum(r["topic"] is None for r in rows) == 10  # one header per gateway
+    assert any(r["payload_text"] is None and r["topic"] for r in rows)  # binary payloads
+    assert any(r["message_expiry"] for r in rows)
+    assert {r["board"] for r in rows} <= {"esp32", "rp2040_picow", "esp32s3", "rp2350_pico2w"}
+    assert all(r["payload_text"] == "0.1.0" for r in rows if r["topic"] == "$SYS/broker/version")

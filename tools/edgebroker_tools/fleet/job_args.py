@@ -1,0 +1,94 @@
+"""The build's options, without importing pyspark (the CLI parser loads this)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import cast
+
+
+@dataclass(frozen=True)
+class Options:
+    snapshots: Path
+    out: Path
+    keep_damaged_stores: bool = False
+    near: float = 0.9
+    headroom: float = 1.25
+    stale_after: timedelta = timedelta(hours=24)
+    boards: Path | None = None  # board profiles for checking the advice (default: repo's)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected 0 < x <= 1")
+    return value
+
+
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not 1 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"{value}: expected 1 <= x <= 10")
+    return value
+
+
+def _hours(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected hours > 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The build's options (`edgebroker fleet build` and `spark-submit .../job.py`)."""
+    parser.add_argument("--snapshots", type=Path, required=True, metavar="SNAPSHOTS/")
+    parser.add_argument("--out", type=Path, required=True, metavar="WAREHOUSE/")
+    parser.add_argument(
+        "--keep-damaged-stores",
+        action="store_true",
+        help="ingest what the broker would keep of a store file with a torn tail or "
+        "corrupt record (default: report and skip it)",
+    )
+    parser.add_argument(
+        "--near", type=_fraction, default=0.9, help="utilisation that flags a limit (0.9)"
+    )
+    parser.add_argument(
+        "--headroom", type=_factor, default=1.25, help="advice headroom factor (1.25)"
+    )
+    parser.add_argument(
+        "--stale-after",
+        type=_hours,
+        default=24.0,
+        metavar="HOURS",
+        help="a gateway silent this long before as_of makes its topics stale (24)",
+    )
+    parser.add_argument(
+        "--boards",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="board profiles to check the advice against (default: the repo's boards/)",
+    )
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    return Options(
+        snapshots=cast(Path, args.snapshots),
+        out=cast(Path, args.out),
+        keep_damaged_stores=bool(args.keep_damaged_stores),
+        near=float(args.near),
+        headroom=float(args.headroom),
+        stale_after=timedelta(hours=float(args.stale_after)),
+        boards=cast("Path | None", args.boards),
+    )

@@ -1,0 +1,117 @@
+"""What the fleet pipeline reads and writes.
+
+Snapshot directory (the input of `fleet build`; `fleet collect` and
+`fleet synth` write it):
+
+    SNAPSHOTS/retained/date=YYYY-MM-DD/<name>.parquet    snapshot rows (SNAPSHOT_SCHEMA)
+    SNAPSHOTS/stores/date=YYYY-MM-DD/<name>.ebrs         flash store files pulled from boards
+    SNAPSHOTS/stores/date=YYYY-MM-DD/<name>.ebrs.json    ... and who they came from (StoreMeta)
+    SNAPSHOTS/collect_log.jsonl                          one line per gateway and collect run
+
+A snapshot row is one retained message of one gateway at one collection
+(gateway_id, collected_at). The collection's own facts (board, source, the
+profile's limits) repeat on every row, so that each file stands alone: a
+file lost or corrupt loses its collections and nothing else. `collect`
+writes one file per gateway and run; `synth` puts many gateways into a file
+(the layout of rows into files is free). The gateway's $SYS statistics are
+rows too, with their $SYS/broker/... topics. Each collection also has one
+header row with a null topic: the build reads a collection's facts from it
+(cheaply) and sees a collection that held no retained message at all (and
+so what went missing from it). A snapshot written without header rows gets
+them when it is read (decode.with_headers).
+
+Warehouse directory (`fleet build` writes it, `fleet report` reads it):
+
+    WAREHOUSE/fleet_state/      latest value per (gateway, topic)
+    WAREHOUSE/topic_history/    one row per value a topic held
+    WAREHOUSE/gateway_health/   one row per gateway and collection
+    WAREHOUSE/limits_advice/    one row per board
+    WAREHOUSE/patches/<board>.json   the advice as `edgebroker config apply` patches
+    WAREHOUSE/_observations/batch=<id>/   every snapshot row ingested so far (the base
+                                the tables are computed from; one batch per build)
+    WAREHOUSE/_manifest.json    input files already ingested (path, size, mtime)
+    WAREHOUSE/_build.json       the last build's log: inputs, skipped files, row counts
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import pyarrow as pa
+
+#: The limit keys of a board profile that the pipeline tracks, with the
+#: snapshot column each is stored in.
+LIMIT_KEYS: Final = (
+    "max_retained_messages",
+    "max_payload_size",
+    "store_budget_bytes",
+    "heap_reserve",
+)
+LIMIT_COLUMNS: Final = tuple(f"limit_{k}" for k in LIMIT_KEYS)
+
+USER_PROPERTY: Final = pa.struct([("key", pa.string()), ("value", pa.string())])
+TIMESTAMP: Final = pa.timestamp("us", tz="UTC")
+
+#: One row per retained message per collection (see the module docstring).
+_SNAPSHOT_FIELDS: list[pa.Field[Any]] = [
+    pa.field("gateway_id", pa.string(), nullable=False),
+    pa.field("board", pa.string()),
+    pa.field("collected_at", TIMESTAMP, nullable=False),
+    pa.field("source", pa.string()),  # mqtt | store | synth
+    pa.field("run_id", pa.string()),
+    pa.field("limit_max_retained_messages", pa.int64()),
+    pa.field("limit_max_payload_size", pa.int64()),
+    pa.field("limit_store_budget_bytes", pa.int64()),
+    pa.field("limit_heap_reserve", pa.int64()),
+    pa.field("topic", pa.string()),  # null: the marker row of an empty collection
+    pa.field("payload", pa.binary()),
+    pa.field("payload_text", pa.string()),  # the payload when it is UTF-8
+    pa.field("qos", pa.int32()),
+    pa.field("content_type", pa.string()),
+    pa.field("payload_format", pa.int32()),  # null: no Payload Format Indicator
+    pa.field("user_properties", pa.list_(USER_PROPERTY)),
+    pa.field("message_expiry", pa.int64()),  # seconds left at collected_at; null: never
+    pa.field("props_bytes", pa.int32()),  # stored MQTT 5 property bytes
+]
+SNAPSHOT_SCHEMA: Final = pa.schema(_SNAPSHOT_FIELDS)
+
+#: Columns a snapshot file must have; the others are filled with nulls when absent.
+REQUIRED_COLUMNS: Final = frozenset({"gateway_id", "collected_at", "topic", "payload"})
+
+#: The executors' output: a snapshot row plus the input file it came from.
+INGEST_SCHEMA: Final = SNAPSHOT_SCHEMA.append(pa.field("_file", pa.string()))
+
+RETAINED_DIR: Final = "retained"
+STORES_DIR: Final = "stores"
+COLLECT_LOG: Final = "collect_log.jsonl"
+
+TABLES: Final = ("fleet_state", "topic_history", "gateway_health", "limits_advice")
+OBSERVATIONS: Final = "_observations"
+PATCHES: Final = "patches"
+MANIFEST: Final = "_manifest.json"
+BUILD_LOG: Final = "_build.json"
+
+SOURCES: Final = frozenset({"mqtt", "store", "synth"})
+
+#: Gateway ids become file names: letters, digits and . _ - only.
+GATEWAY_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def stamp(when: datetime) -> str:
+    """A file-name-safe UTC time with microseconds: 20250601T120000123456Z."""
+    return when.astimezone(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def date_dir(when: datetime) -> str:
+    """The partition directory of a collection time: date=YYYY-MM-DD (UTC)."""
+    return "date=" + when.astimezone(UTC).strftime("%Y-%m-%d")
+
+
+def utf8_text(payload: bytes) -> str | None:
+    """The payload as text when it is valid UTF-8, else None."""
+    try:
+        return payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return None

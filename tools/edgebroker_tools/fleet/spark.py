@@ -1,0 +1,134 @@
+"""The SparkSession the fleet job runs in, and the code it ships to executors.
+
+    spark, owned = session("local[2]")      # owned: we started it, we stop it
+
+A session that is already active (a test suite's, spark-submit's) is used as
+it is. A new one is configured for this kind of machine: Python workers run
+this interpreter (PYSPARK_PYTHON), and with a local master everything binds
+to 127.0.0.1 with no UI. ship_code() adds lib/edgestore.py and a zip of
+this package to the SparkContext, so executors that do not have the package
+installed (a real cluster) can still run decode.ingest().
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Final
+
+from pyspark.sql import SparkSession
+
+#: Settings the build's results depend on: job.build() sets them on any session.
+REQUIRED_CONF: Final = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    "spark.sql.sources.partitionColumnTypeInference.enabled": "false",
+}
+#: Defaults for the rest, applied only where spark-submit's --conf did not set them.
+DEFAULT_CONF: Final = {
+    "spark.sql.adaptive.enabled": "true",
+    "spark.sql.parquet.compression.codec": "zstd",
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "65536",
+}
+#: Static settings for a session this module starts itself.
+LOCAL_CONF: Final = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+}
+LOOPBACK: Final = "127.0.0.1"
+
+_shipped: set[str] = set()
+
+
+def _python_env() -> None:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+def session(
+    master: str | None = None,
+    *,
+    app: str = "edgebroker-fleet",
+    driver_memory: str = "4g",
+    shuffle_partitions: int | None = None,
+) -> tuple[SparkSession, bool]:
+    """(session, owned): the active session if there is one, else a new one.
+
+    Under spark-submit (the JVM is already running) the master, memory and
+    every --conf come from spark-submit; only settings it left unset get
+    this module's defaults.
+    """
+    _python_env()
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active, False
+    builder = SparkSession.builder.appName(app)
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # we start the JVM ourselves
+        local = master is None or master.startswith("local")
+        if master is not None:
+            builder = builder.master(master)
+        for key, value in LOCAL_CONF.items():
+            builder = builder.config(key, value)
+        if local:
+            os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK)
+            builder = builder.config("spark.driver.host", LOOPBACK)
+            builder = builder.config("spark.driver.bindAddress", LOOPBACK)
+            builder = builder.config("spark.driver.memory", driver_memory)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    conf = spark.sparkContext.getConf()
+    defaults = dict(DEFAULT_CONF)
+    parallel = spark.sparkContext.defaultParallelism
+    defaults["spark.sql.shuffle.partitions"] = str(shuffle_partitions or max(8, 4 * parallel))
+    if shuffle_partitions is not None:
+        spark.conf.set("spark.sql.shuffle.partitions", str(shuffle_partitions))
+    for key, value in defaults.items():
+        if not conf.contains(key):
+            spark.conf.set(key, value)
+    return spark, True
+
+
+def apply_required(spark: SparkSession) -> None:
+    """The settings the tables' content depends on (UTC, microsecond timestamps)."""
+    for key, value in REQUIRED_CONF.items():
+        spark.conf.set(key, value)
+
+
+def _package_zip() -> Path:
+    """A zip of edgebroker_tools (the .py files), made once per process."""
+    pkg = Path(__file__).resolve().parents[1]
+    target = (
+        Path(tempfile.gettempdir()) / f"edgebroker-fleet-{os.getpid()}" / "edgebroker_tools.zip"
+    )
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atexit.register(shutil.rmtree, target.parent, ignore_errors=True)
+        tmp = target.with_suffix(".tmp")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in sorted(pkg.rglob("*.py")):
+                zf.write(path, str(path.relative_to(pkg.parent)))
+            zf.write(pkg / "py.typed", "edgebroker_tools/py.typed")
+        tmp.replace(target)
+    return target
+
+
+def edgestore_path() -> Path:
+    from edgebroker_tools import runner
+
+    return runner.lib_path().resolve().parent / "edgestore.py"
+
+
+def ship_code(spark: SparkSession) -> None:
+    """Make decode.ingest() and lib/edgestore.py importable on every executor."""
+    sc = spark.sparkContext
+    app = str(sc.applicationId)
+    if app in _shipped:
+        return
+    sc.addPyFile(str(edgestore_path()))
+    sc.addPyFile(str(_package_zip()))
+    _shipped.add(app)
