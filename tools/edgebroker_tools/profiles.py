@@ -48,8 +48,9 @@ FS_BLOCK: Final = 4096
 #: edgestore's index grows in chunks of this many slots (its _CH).
 INDEX_CHUNK: Final = 256
 
-#: $SYS/broker/refusals/<cause> topics the heap check allows for (each one a
-#: retained $SYS message). The base set is measured (sys_retained).
+#: $SYS/broker/refusals/<cause> topics the heap check allows for. The broker
+#: makes $SYS messages on demand, so the measured standing cost
+#: (sys_retained) is 0 today; the term stays in case that changes.
 SYS_REFUSAL_TOPICS: Final = 6
 
 
