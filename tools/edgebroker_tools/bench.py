@@ -2276,6 +2276,7 @@ class Bench:
             "max_clients": c + 16,
             "max_retained_messages": 0,
             "store_budget_bytes": 64 * 1024 * 1024,
+            "log_level": "info",  # its start line carries the heap before any client
         }
         m = self.report
         start_heap = m.metric(
