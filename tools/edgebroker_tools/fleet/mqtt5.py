@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from edgebroker_tools.fleet import props
+from edgebroker_tools.mqttclient import mqtt_str, varint
 
 CONNACK: Final = 2
 PUBLISH: Final = 3
@@ -63,13 +64,8 @@ class Gathered:
     live_ignored: int = 0  # non-retained PUBLISHes acknowledged and dropped
 
 
-def _string(text: str | bytes) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack(">H", len(raw)) + raw
-
-
 def _packet(first: int, body: bytes) -> bytes:
-    return bytes((first,)) + props.encode_varint(len(body)) + body
+    return bytes((first,)) + varint(len(body)) + body
 
 
 def connect_packet(
@@ -82,19 +78,19 @@ def connect_packet(
     if password is not None:
         flags |= 0x40
     properties = props.encode(receive_maximum=65535)
-    body = _string("MQTT") + bytes((5, flags)) + struct.pack(">H", keepalive)
-    body += props.encode_varint(len(properties)) + properties + _string(client_id)
+    body = mqtt_str("MQTT") + bytes((5, flags)) + struct.pack(">H", keepalive)
+    body += varint(len(properties)) + properties + mqtt_str(client_id)
     if username is not None:
-        body += _string(username)
+        body += mqtt_str(username)
     if password is not None:
-        body += _string(password)
+        body += mqtt_str(password)
     return _packet(0x10, body)
 
 
 def subscribe_packet(pid: int, filters: tuple[str, ...]) -> bytes:
     body = struct.pack(">H", pid) + b"\x00"
     for topic in filters:
-        body += _string(topic) + bytes((SUB_OPTIONS,))
+        body += mqtt_str(topic) + bytes((SUB_OPTIONS,))
     return _packet(0x82, body)
 
 

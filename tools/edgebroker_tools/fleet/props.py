@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Final
 
+from edgebroker_tools.mqttclient import mqtt_str
+
 PAYLOAD_FORMAT: Final = 0x01
 MESSAGE_EXPIRY: Final = 0x02
 CONTENT_TYPE: Final = 0x03
@@ -127,26 +129,6 @@ def decode(data: bytes | memoryview) -> Properties:
     return out
 
 
-def encode_varint(n: int) -> bytes:
-    """A Variable Byte Integer (1.5.5)."""
-    if not 0 <= n < 268_435_456:
-        raise ValueError(f"variable byte integer out of range: {n}")
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _string(text: str | bytes) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack(">H", len(raw)) + raw
-
-
 def encode(
     *,
     payload_format: int | None = None,
@@ -163,11 +145,11 @@ def encode(
     if message_expiry is not None:
         out += bytes((MESSAGE_EXPIRY,)) + struct.pack(">I", message_expiry)
     if content_type is not None:
-        out += bytes((CONTENT_TYPE,)) + _string(content_type)
+        out += bytes((CONTENT_TYPE,)) + mqtt_str(content_type)
     if session_expiry is not None:
         out += bytes((0x11,)) + struct.pack(">I", session_expiry)
     if receive_maximum is not None:
         out += bytes((0x21,)) + struct.pack(">H", receive_maximum)
     for key, value in user_properties:
-        out += bytes((USER_PROPERTY,)) + _string(key) + _string(value)
+        out += bytes((USER_PROPERTY,)) + mqtt_str(key) + mqtt_str(value)
     return bytes(out)
