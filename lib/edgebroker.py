@@ -900,8 +900,7 @@ class Broker:
         self._last_tick = 0
         self._last_sys = 0
         self._accept_pause = 0
-        self.rbuf = None
-        self.rmv = None
+        self.rmv = None       # the shared receive buffer, through a memoryview
         self.now_s = 0
         c = cfg
         self.max_packet = c["max_packet_size"]
@@ -930,17 +929,20 @@ class Broker:
             self.log("warning", "refused (%s) %s" % (cause, fmt % args if args else fmt))
 
     # ------------------------------------------------------------ writing
-    def write(self, conn, data):
-        if conn.closed:
-            return
+    def outbuf(self, conn):
+        """The connection's send buffer; a connection with bytes waiting is
+        listed once in `dirty`, flushed at the end of the loop turn."""
         o = conn.out
         if o is None:
-            conn.out = bytearray(data)
+            o = conn.out = bytearray()
             self.dirty.append(conn)
-        else:
-            if not o:
-                self.dirty.append(conn)
-            o.extend(data)
+        elif not o:
+            self.dirty.append(conn)
+        return o
+
+    def write(self, conn, data):
+        if not conn.closed:
+            self.outbuf(conn).extend(data)
 
     def send_ack(self, conn, data):
         # PUBACK/PUBREC leave in the order the PUBLISHes came (4.6); once one
@@ -1422,6 +1424,11 @@ class Broker:
             self.sdirty = True
         return wait
 
+    def unstore(self, topic):
+        """Drops a topic's retained message; True if a durable store changed
+        (then the acknowledgement waits for the commit)."""
+        return self.store.delete(topic) and self.store.durable
+
     def _retain(self, msg):
         """Rules S1-S4 and L2-L4 of docs: store, replace or delete."""
         topic = msg[_M_TOPIC]
@@ -1431,12 +1438,12 @@ class Broker:
         payload = msg[_M_PAYLOAD]
         if not payload:
             # S3 (MQTT-3.3.1-6/7): empty payload deletes, is never stored
-            return store.delete(topic) and store.durable
+            return self.unstore(topic)
         cfg = self.cfg
         if len(payload) > cfg["max_payload_size"]:
             # L3: forwarded but not stored, and the older value goes too
             self.refuse("retained_too_large", "%s (%d bytes)", topic, len(payload))
-            return store.delete(topic) and store.durable
+            return self.unstore(topic)
         old = store.get(topic)
         size = msg_size(msg)
         budget = cfg["store_budget_bytes"]
@@ -1448,7 +1455,7 @@ class Broker:
                 return False
         elif budget and store.nbytes - msg_size(old) + size > budget:
             self.refuse("retained_full", "%s not stored", topic)
-            return store.delete(topic) and store.durable
+            return self.unstore(topic)
         if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg
@@ -1471,7 +1478,7 @@ class Broker:
         except MemoryError:
             gc.collect()
             self.refuse("retained_heap", "%s not stored: MemoryError", topic)
-            return store.delete(topic) and store.durable
+            return self.unstore(topic)
         return store.durable
 
     # ------------------------------------------------------------ delivery
@@ -1553,12 +1560,7 @@ class Broker:
         if rl + 5 > conn.maxpkt and rl + len(vbi(rl)) + 1 > conn.maxpkt:
             self.refuse("client_max_packet", "client %s", conn.cid)
             return False
-        o = conn.out
-        if o is None:
-            o = conn.out = bytearray()
-            self.dirty.append(conn)
-        elif not o:
-            self.dirty.append(conn)
+        o = self.outbuf(conn)
         # straight into the connection's buffer: no packet built on the side
         o.append(0x30 | (8 if dup else 0) | qos << 1 | retain)
         o.extend(vbi(rl))
@@ -1940,8 +1942,7 @@ class Broker:
             # Collecting after 1/16 of the heap keeps allocation low and the
             # rest of the heap in one piece.
             _gc_threshold(max(32768, _mem_free() // 16))
-        self.rbuf = bytearray(self.cfg["io_chunk"])
-        self.rmv = memoryview(self.rbuf)
+        self.rmv = memoryview(bytearray(self.cfg["io_chunk"]))
         self.now_s = self.now()
         self.started = self.now_s
         self._last_tick = self.now_s

@@ -312,6 +312,18 @@ def decode_put(b, blen):
             bytes(b[j + pl:blen]))
 
 
+def _put_topic(b, blen):
+    """decode_put() and the topic as text: (fields, topic), or None for a
+    record that is not a well-formed PUT (open and inspect skip it alike)."""
+    p = decode_put(b, blen)
+    if p is not None:
+        try:
+            return p, str(p[0], "utf-8")
+        except UnicodeError:
+            pass
+    return None
+
+
 def _valid_at(f, pos, size):
     # is there a whole record with a good CRC at pos?
     if size - pos < 9:
@@ -1173,17 +1185,12 @@ class FlashStore:
             st["records"] += 1
             blen = len(b) - 4
             if rt == T_PUT:
-                p = decode_put(b, blen)
-                topic = None
-                if p is not None:
-                    try:
-                        topic = str(p[0], "utf-8")
-                    except UnicodeError:
-                        pass
-                if topic is None:
+                pt = _put_topic(b, blen)
+                if pt is None:
                     st["corrupt"] += 1
                     self._log("warning", "%s: malformed record at %d skipped" % (self.path, off))
                     continue
+                p, topic = pt
                 tb, qos, flags, rem, stime, wall, props, payload = p
                 if stime > t0:
                     t0 = stime
@@ -1297,17 +1304,12 @@ def inspect(path, wall_now=None, fs=None):
             rep["by_type"][name] = rep["by_type"].get(name, 0) + 1
             blen = len(b) - 4
             if rt == T_PUT:
-                p = decode_put(b, blen)
-                topic = None
-                if p is not None:
-                    try:
-                        topic = str(p[0], "utf-8")
-                    except UnicodeError:
-                        pass
-                if topic is None:
+                pt = _put_topic(b, blen)
+                if pt is None:
                     rep["corrupt"] += 1
                     rep["corrupt_offsets"].append(off)
                     continue
+                p, topic = pt
                 if p[4] > t_end:
                     t_end = p[4]
                     wall_end = p[5] or wall_end

@@ -48,4 +48,24 @@ def override_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-__all__ = ["CommandError", "Handler", "Subparsers", "override_arg", "port_arg"]
+def add_set_option(parser: argparse.ArgumentParser) -> None:
+    """`--set KEY=VALUE`, repeatable: one profile key overridden (run, emulate, build)."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        type=override_arg,
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one profile key (value parsed as JSON, else string); repeatable",
+    )
+
+
+__all__ = [
+    "CommandError",
+    "Handler",
+    "Subparsers",
+    "add_set_option",
+    "override_arg",
+    "port_arg",
+]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from edgebroker_tools import __version__, runner
-from edgebroker_tools.commands import CommandError, override_arg
+from edgebroker_tools.commands import CommandError, add_set_option
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -355,15 +355,7 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BOARD",
         help="board profile: a name in boards/ (esp32, rp2040_picow, host) or a JSON file",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        type=override_arg,
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one profile key (value parsed as JSON, else string); repeatable",
-    )
+    add_set_option(parser)
     parser.add_argument(
         "--dist",
         type=Path,

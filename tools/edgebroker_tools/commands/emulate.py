@@ -46,7 +46,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from edgebroker_tools import profiles, runner
-from edgebroker_tools.commands import CommandError, override_arg, port_arg
+from edgebroker_tools.commands import CommandError, add_set_option, port_arg
 from edgebroker_tools.mqttclient import Client, MqttError, parse_publish
 from edgebroker_tools.profiles import ProfileError
 
@@ -173,15 +173,7 @@ def register(subparsers: Subparsers) -> None:
         action="store_true",
         help="no status lines (the monitor is an MQTT client: it takes one of max_clients)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        type=override_arg,
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one profile key (value parsed as JSON, else string); repeatable",
-    )
+    add_set_option(parser)
     parser.set_defaults(handler=handle)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from edgebroker_tools import runner
-from edgebroker_tools.commands import CommandError, override_arg, port_arg
+from edgebroker_tools.commands import CommandError, add_set_option, port_arg
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -83,15 +83,7 @@ def register(subparsers: Subparsers) -> None:
         metavar="DIR",
         help="directory for the retained store (default: ./data/<board name>)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        type=override_arg,
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one profile key (value parsed as JSON, else string); repeatable",
-    )
+    add_set_option(parser)
     parser.set_defaults(handler=handle)
 
 
