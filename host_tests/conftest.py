@@ -45,13 +45,24 @@ START_TIMEOUT = 15.0
 DEFAULT_TEST_TIMEOUT = 60
 
 
+SERVERS = ("poll", "async")
+
+
 def _interp_params():
+    """Each integration test runs per interpreter and per server: the poll
+    server (the host default) and the asyncio server (the board's), e.g.
+    ids cpython, micropython, cpython-async, micropython-async."""
     if is_mosquitto_mode():
         return ["mosquitto"]
     only = os.environ.get("EDGEBROKER_TEST_INTERP", "").strip()
-    if only:
-        return [p.strip() for p in only.split(",") if p.strip()]
-    return ["cpython", "micropython"]
+    interps = [p.strip() for p in only.split(",") if p.strip()] if only else ["cpython", "micropython"]
+    want = os.environ.get("EDGEBROKER_TEST_SERVER", "").strip()
+    servers = [s.strip() for s in want.split(",") if s.strip()] if want else list(SERVERS)
+    out = []
+    for server in servers:
+        for i in interps:
+            out.append(i if server == "poll" else i + "-" + server)
+    return out
 
 
 def micropython_exe():
@@ -78,6 +89,21 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The server dimension only matters where a test starts a broker through
+    # broker_factory; elsewhere (CLI, emulator, unit tests) the async ids
+    # would repeat the poll ones.
+    keep = []
+    dropped = []
+    for item in items:
+        cs = getattr(item, "callspec", None)
+        p = cs.params.get("interp", "") if cs is not None else ""
+        if "-" in p and "broker_factory" not in getattr(item, "fixturenames", ()):
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     # default timeout of 60 s per test unless configured otherwise
     try:
         opt = config.getoption("timeout")
@@ -242,9 +268,17 @@ class BrokerProc:
 
 @pytest.fixture(params=_interp_params(), ids=lambda p: p)
 def interp(request):
-    if request.param == "micropython" and not Path(micropython_exe()).exists():
+    name = request.param.split("-")[0]
+    if name == "micropython" and not Path(micropython_exe()).exists():
         pytest.skip("micropython interpreter not found")
-    return request.param
+    return name
+
+
+@pytest.fixture
+def server(request, interp):
+    """The server the test's broker runs: poll or async (from the interp id)."""
+    p = request.node.callspec.params.get("interp", "")
+    return p.split("-")[1] if "-" in p else "poll"
 
 
 def _load_board(board):
@@ -264,7 +298,7 @@ def _load_board(board):
 
 
 @pytest.fixture
-def broker_factory(interp, tmp_path, request):
+def broker_factory(interp, server, tmp_path, request):
     started = []
     request.node._edgebroker_brokers = started
     counter = [0]
@@ -307,6 +341,8 @@ def broker_factory(interp, tmp_path, request):
                 "--bind", host,
                 "--data-dir", str(data_dir),
             ] + list(extra_args)
+            if server != "poll" and "--server" not in args:
+                args += ["--server", server]
             if interp == "cpython":
                 cmd = [sys.executable] + args
             elif interp == "micropython":

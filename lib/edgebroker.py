@@ -3,17 +3,19 @@
 # One file, sectioned like a table of contents:
 #   1. compat            the only place that knows there are two interpreters
 #   2. constants         packet types, reason codes, property ids
-#   3. limits            every limit with its default (the board profile overrides)
+#   3. limits            every limit with its default and allowed values
 #   4. codec             reading and writing the wire format
 #   5. topics            validation and the subscription tree
 #   6. retained store    the narrow store interface and its RAM backend
-#   7. client state      Conn (one socket) and Session (outlives sockets)
-#   8. broker            packet handlers, routing, delivery, housekeeping
-#   9. loops             connection I/O, accept loop, serve loop
-#  10. stats             $SYS/broker/... statistics
+#   7. client state      Conn (one connection) and Session (outlives connections)
+#   8. engine            sans-IO protocol core: handlers, routing, delivery,
+#                        durability, housekeeping, $SYS, the local client
+#   9. servers           Broker: the poll server and the asyncio server,
+#                        both moving bytes for one Engine
+#  10. the API           start(profile, host, port, data_dir) -> Broker
 #  11. main              command line entry point (host build and emulator)
 #
-# Nothing happens at import: the limits, store and clock are handed to Broker().
+# Nothing happens at import: the limits, store and clock are handed to start().
 # Comments cite the OASIS specifications: MQTT-x.y.z-n statements are MQTT 5.0
 # unless marked 3.1.1. Bytecode drops the comments, so they are free on a board.
 
@@ -125,6 +127,87 @@ _TCP_NODELAY = getattr(socket, "TCP_NODELAY", 1)
 
 _EAGAIN = (11, 35)  # EAGAIN on Linux / macOS-style EWOULDBLOCK
 _EMFILE = (23, 24)  # ENFILE, EMFILE: no socket can be accepted right now
+_EADDRINUSE = (98, 48, 112)  # Linux, BSD, lwIP/newlib
+
+
+def _peer(a):
+    """accept()'s address as "host:port", for logs: a tuple on CPython and
+    lwIP boards, raw sockaddr bytes on MicroPython's unix port."""
+    try:
+        if not isinstance(a, tuple):
+            a = socket.sockaddr(a)
+            ip = a[1]
+            if len(ip) == 4:
+                return "%d.%d.%d.%d:%d" % (ip[0], ip[1], ip[2], ip[3], a[2])
+            return "?:%d" % a[2]
+        return "%s:%d" % (a[0], a[1])
+    except (AttributeError, TypeError, IndexError, ValueError, OSError):
+        return "?"
+
+# asyncio, loaded on first use (a poll-only host run never imports it).
+# The async server waits for a socket with _io_wait(sock, write):
+#   MicroPython: the scheduler's own poller (what its Stream and
+#     start_server use); cancelling the waiting task takes the socket out of
+#     that poller at once, before the server closes it.
+#   CPython: the running loop's add_reader/add_writer; _io_forget() removes
+#     them before the socket is closed (a closed fd left in the selector
+#     breaks the next socket that gets its number).
+_aio = None
+_io_wait = None
+_io_forget = None
+
+
+def _asyncio():
+    global _aio, _io_wait, _io_forget
+    if _aio is not None:
+        return _aio
+    import asyncio
+    core = getattr(asyncio, "core", None)
+    if core is not None and hasattr(core, "_io_queue"):  # MicroPython
+        def _wait(sock, write):
+            q = core._io_queue  # looked up each time: new_event_loop() replaces it
+            yield (q.queue_write if write else q.queue_read)(sock)
+
+        def _forget(sock):
+            pass
+    else:  # CPython
+        def _done(fut):
+            if not fut.done():
+                fut.set_result(None)
+
+        async def _wait(sock, write):
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            if write:
+                loop.add_writer(sock, _done, fut)
+            else:
+                loop.add_reader(sock, _done, fut)
+            try:
+                await fut
+            finally:
+                try:
+                    if write:
+                        loop.remove_writer(sock)
+                    else:
+                        loop.remove_reader(sock)
+                except (ValueError, KeyError, OSError):
+                    pass  # already forgotten and closed
+
+        def _forget(sock):
+            try:
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(sock)
+                loop.remove_writer(sock)
+            except (RuntimeError, ValueError, KeyError, OSError):
+                pass
+    _io_wait = _wait
+    _io_forget = _forget
+    _aio = asyncio
+    return asyncio
+
+
+def _current():
+    return _aio.current_task()
 
 # ------------------------------------------------------------- 2. constants
 VERSION = "0.1.0"
@@ -262,17 +345,58 @@ DEFAULTS = {
 }
 
 
+# Allowed values of each limit (boards/schema.json says the same, with units
+# and consequences; the tools check profiles against it before a board sees
+# them). Numbers: (min, max); strings: the allowed words.
+_RANGES = {
+    "max_clients": (1, 65535), "max_packet_size": (128, 268435460),
+    "max_subscriptions": (1, 65535), "max_topic_length": (1, 65535),
+    "max_topic_levels": (1, 65535), "max_inflight": (1, 65535),
+    "max_queued": (1, 1000000), "max_outbuf": (256, 268435456),
+    "max_sessions": (0, 1000000), "topic_alias_maximum": (0, 65535),
+    "server_keep_alive": (0, 65535), "max_session_expiry": (0, 4294967295),
+    "maximum_qos": (0, 2), "heap_reserve": (0, 1073741824),
+    "max_retained_messages": (0, 1000000), "max_payload_size": (0, 268435455),
+    "expiry_interval": (0, 4294967295), "store_budget_bytes": (0, 1099511627776),
+    "compact_ratio": (0.05, 0.95), "compact_min_bytes": (0, 1073741824),
+    "sys_interval": (0, 86400), "backlog": (1, 4096), "io_chunk": (256, 1048576),
+    "connect_timeout": (1, 3600),
+    "storage_type": ("ram", "disc", "disc_only"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
 def limits(profile=None):
     """The effective limits: DEFAULTS overridden by a profile dict. Only
     the keys the broker reads are kept (a profile also carries board facts
-    for the host tools); the tools reject unknown keys, the broker ignores
-    them."""
+    for the host tools, which reject unknown keys). A bad value raises
+    ValueError naming the key, the value and what is allowed."""
     cfg = dict(DEFAULTS)
     if profile:
         for k in DEFAULTS:
             if k in profile:
-                cfg[k] = profile[k]
+                cfg[k] = _checked(k, profile[k])
     return cfg
+
+
+def _checked(k, v):
+    d = DEFAULTS[k]
+    r = _RANGES.get(k)
+    if isinstance(d, bool):
+        if not isinstance(v, bool):
+            raise ValueError("%s: %r is not true or false" % (k, v))
+    elif isinstance(d, (int, float)):
+        ok = isinstance(v, (int, float)) if isinstance(d, float) else isinstance(v, int)
+        if not ok or isinstance(v, bool) or not r[0] <= v <= r[1]:
+            raise ValueError("%s: %r (allowed %s..%s)" % (k, v, r[0], r[1]))
+    elif isinstance(d, dict):
+        if not isinstance(v, dict):
+            raise ValueError("%s: %r is not an object" % (k, v))
+    elif r is not None and v not in r:
+        raise ValueError("%s: %r (allowed %s)" % (k, v, ", ".join(r)))
+    elif not isinstance(v, str):
+        raise ValueError("%s: %r is not a string" % (k, v))
+    return v
 
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -436,6 +560,52 @@ def read_props(b, i, end):
         if pid in _FORWARDED:
             fwd = bytes(b[start:i]) if fwd is None else fwd + bytes(b[start:i])
     return props, fwd or b"", stop
+
+
+# Local API properties by name (Broker.publish / subscribe callbacks).
+_PROP_NAMES = (("payload_format_indicator", _P_PAYLOAD_FORMAT), ("content_type", _P_CONTENT_TYPE),
+               ("response_topic", _P_RESPONSE_TOPIC), ("correlation_data", _P_CORRELATION))
+
+
+def encode_props(d):
+    """A local publish's properties dict -> (forwarded property bytes,
+    Message Expiry Interval or 0). Unknown names raise ValueError."""
+    out = bytearray()
+    exp = 0
+    for k in d:
+        v = d[k]
+        if k == "message_expiry_interval":
+            if not isinstance(v, int) or not 0 <= v <= 0xFFFFFFFF:
+                raise ValueError("properties: message_expiry_interval %r (allowed 0..4294967295)" % (v,))
+            exp = v
+        elif k == "user_properties":
+            for pair in v:
+                out += bytes((_P_USER,)) + mqstr(pair[0]) + mqstr(pair[1])
+        elif k == "payload_format_indicator":
+            out += prop_byte(_P_PAYLOAD_FORMAT, 1 if v else 0)
+        elif k == "correlation_data":
+            out += prop_str(_P_CORRELATION, v)
+        elif k in ("content_type", "response_topic"):
+            if k == "response_topic" and not valid_topic_name(v):
+                raise ValueError("properties: response_topic %r is not a topic name" % (v,))
+            out += prop_str(_P_CONTENT_TYPE if k == "content_type" else _P_RESPONSE_TOPIC, v)
+        else:
+            raise ValueError("properties: unknown property %r" % (k,))
+    return bytes(out), exp
+
+
+def decode_props(fwd):
+    """Forwarded property bytes -> dict by name (for local callbacks)."""
+    d = {}
+    if not fwd:
+        return d
+    props, _, _ = read_props(vbi(len(fwd)) + fwd, 0, len(fwd) + len(vbi(len(fwd))))
+    for name, pid in _PROP_NAMES:
+        if pid in props:
+            d[name] = props[pid]
+    if _P_USER in props:
+        d["user_properties"] = props[_P_USER]
+    return d
 
 
 def prop_byte(pid, v):
@@ -821,12 +991,15 @@ def open_store(cfg, data_dir=None, clock=None, wallclock=None, log=None):
 # ---------------------------------------------------------- 7. client state
 class Session:
     """What outlives a connection (4.1): subscriptions, outbound messages not
-    yet acknowledged, the offline queue, inbound QoS 2 packet ids."""
+    yet acknowledged, the offline queue, inbound QoS 2 packet ids. A local
+    subscription (Broker.subscribe) is a Session with a callback `cb` and no
+    connection: routing treats it like any other subscriber."""
 
     def __init__(self, cid, ver):
         self.cid = cid
         self.ver = ver
         self.conn = None
+        self.cb = None       # local subscription: callback(topic, payload, retained, properties)
         self.subs = {}       # filter -> (options byte, subscription id)
         self.inflight = []   # [pid, msg, qos, retain, sids, released], send order
         self.queue = []      # [msg, qos, retain, sids], oldest first
@@ -838,19 +1011,23 @@ class Session:
 
 
 class Conn:
-    """One network connection; `sess` is set once CONNECT is accepted."""
+    """One network connection as the engine sees it; `sess` is set once
+    CONNECT is accepted. `io` belongs to the server that moves its bytes (a
+    socket); the engine never touches it. `out` holds what to send; `closed`
+    says the engine ended it (the server then sends what is left of `out`
+    and releases `io`)."""
 
-    def __init__(self, sock, key, now):
-        self.sock = sock
-        self.key = key
+    def __init__(self, io, now, peer):
+        self.io = io
+        self.peer = peer      # "address:port", for logs and $SYS
         self.ver = 0
         self.sess = None
         self.pend = None      # bytes of an incomplete packet
         self.out = None       # bytearray waiting to be sent
-        self.pollout = False
+        self.wait = None      # server state: poll flag or the async writer task
+        self.task = None      # async server: the reader task
         self.ka = 0           # keep alive in seconds (0 = off)
-        self.last = now       # broker seconds of the last packet received
-        self.born = now
+        self.last = now       # broker seconds of the last packet received (also: opened)
         self.will = None      # (msg, retain, delay seconds)
         self.maxpkt = _NO_LIMIT_PACKET
         self.window = 0       # outbound inflight window
@@ -859,56 +1036,75 @@ class Conn:
         self.defer = None     # acks waiting for a durable store commit
         self.closed = False
         self.cid = ""
+        self.user = None
 
     def out_len(self):
         o = self.out
         return 0 if o is None else len(o)
 
 
-# ---------------------------------------------------------------- 8. broker
-class Broker:
-    """The broker. Give it limits (see limits()), a retained store (see
-    open_store()) and the clock the store was opened with (a MonoClock: a
-    function returning seconds that only grow); then listen() and serve()."""
+# ---------------------------------------------------------------- 8. engine
+class Engine:
+    """The broker's protocol core, sans I/O: it takes bytes from a
+    connection and leaves what to send in `conn.out` (the connection listed
+    in `dirty`), what to close in `ended`, and what waits for durability in
+    `deferred`. It owns sessions, the topic tree, routing, the retained
+    policy and every limit. It never touches a socket, a poller or a clock:
+    the server passes the time in (broker seconds from a MonoClock).
 
-    def __init__(self, cfg, store=None, clock=None, log=None):
+    The server's side: open() a connection, receive() its bytes, lost() when
+    the network ends it, sent() what left, and turn() once per loop turn
+    (paced deliveries, local callbacks, the once-a-second housekeeping and
+    the group commit, which releases the acks that waited for it)."""
+
+    def __init__(self, cfg, store=None, log=None):
         self.cfg = cfg
         self.store = store if store is not None else RamStore(cfg["max_retained_messages"])
-        self.now = clock if clock is not None else MonoClock()
         self._loglevel = _LEVELS.get(cfg["log_level"], 20)
         self._logf = log
-        self.conns = {}
+        self.conns = {}       # Conn -> None: every open connection
+        self.pre = 0          # of them, connections that have not sent CONNECT yet
         self.sessions = {}
         self.tree = TopicTree()
         self.dirty = []       # connections with bytes waiting to be sent
+        self.ended = []       # connections the engine closed: the server releases them
         self.busy = []        # sessions with deliveries that can go on now
         self.deferred = []    # connections with acks waiting for commit()
+        self.localq = []      # [session, msg, retain]: local callbacks to run at turn()
         self.sdirty = False   # the store changed since the last commit()
         self._puts = 0        # new retained topics, to pace the heap check
         self.wills = []       # [deadline, session, msg, retain] delayed wills
-        self.lsock = None
-        self.poller = None
-        self.running = False
         self.connected = 0
         self.started = 0
         self.n_in = 0
         self.n_out = 0
         self.n_dropped = 0
+        self.app_errors = 0
         self.refusals = {}
-        self._logged = {}
         self._next_id = 0
         self._last_tick = 0
         self._last_sys = 0
-        self._accept_pause = 0
-        self.rmv = None       # the shared receive buffer, through a memoryview
         self.now_s = 0
         c = cfg
         self.max_packet = c["max_packet_size"]
         self.max_outbuf = c["max_outbuf"]
         self.max_inflight = c["max_inflight"]
         self.max_queued = c["max_queued"]
+        # Connections that have not sent CONNECT yet hold a socket and a
+        # buffer but no client slot: bounded to half of max_clients (at
+        # least 2), the oldest dropped first when a new one arrives.
+        self.max_pre = max(2, c["max_clients"] // 2)
+        # A CONNECT is small: its client id, will and credentials. Bytes
+        # before CONNECT is accepted are bounded far below max_packet_size.
+        self.max_pre_bytes = min(self.max_packet, 1024 + c["max_topic_length"] + c["max_payload_size"])
 
-    # -- logging: level-gated, formatted only when it will be printed
+    def start(self, now):
+        """The engine starts serving at broker second `now`."""
+        self.now_s = now
+        self.started = now
+        self._last_tick = now
+        self._last_sys = now - self.cfg["sys_interval"]
+
     def log(self, level, fmt, *args):
         if _LEVELS[level] < self._loglevel:
             return
@@ -957,6 +1153,9 @@ class Broker:
         reason code (MQTT-4.13.1-1), 3.1.1 just closes."""
         if conn.closed:
             return
+        if conn.sess is not None:
+            self.log("info", "client %s disconnected by the broker: %s (0x%02x)",
+                     conn.cid, text or "-", code or 0)
         if conn.ver == 5 and code is not None:
             p = prop_str(_P_REASON_STRING, text) if text and conn.problem else b""
             if conn.sess is None:
@@ -1001,6 +1200,9 @@ class Broker:
                 break
             if j - i + rl > self.max_packet:
                 raise MqttError(_RC_TOO_LARGE, "packet larger than Maximum Packet Size")
+            if conn.sess is None and j - i + rl > self.max_pre_bytes:
+                # a CONNECT is small: bounded before the body is read
+                raise MqttError(_RC_TOO_LARGE, "CONNECT larger than the broker accepts")
             if j + rl > n:
                 break
             self.handle(conn, data[i], data, j, j + rl)
@@ -1015,7 +1217,7 @@ class Broker:
         if conn.sess is None:
             if ptype != _CONNECT:
                 # MQTT-3.1.0-1: the first packet must be CONNECT
-                raise MqttError(_RC_PROTOCOL, "first packet is not _CONNECT")
+                raise MqttError(_RC_PROTOCOL, "first packet is not CONNECT")
             return self.on_connect(conn, flags, b, i, end)
         if ptype == _PUBLISH:
             return self.on_publish(conn, flags, b, i, end)
@@ -1026,15 +1228,15 @@ class Broker:
             return self.on_ack(conn, ptype, b, i, end)
         if ptype == _SUBSCRIBE:
             if flags != 2:  # MQTT-3.8.1-1
-                raise MqttError(_RC_MALFORMED, "_SUBSCRIBE flags not 0010")
+                raise MqttError(_RC_MALFORMED, "SUBSCRIBE flags not 0010")
             return self.on_subscribe(conn, b, i, end)
         if ptype == _UNSUBSCRIBE:
             if flags != 2:  # MQTT-3.10.1-1
-                raise MqttError(_RC_MALFORMED, "_UNSUBSCRIBE flags not 0010")
+                raise MqttError(_RC_MALFORMED, "UNSUBSCRIBE flags not 0010")
             return self.on_unsubscribe(conn, b, i, end)
         if ptype == _PINGREQ:
             if flags or end != i:
-                raise MqttError(_RC_MALFORMED, "bad _PINGREQ")
+                raise MqttError(_RC_MALFORMED, "bad PINGREQ")
             self.write(conn, b"\xd0\x00")
             return
         if ptype == _DISCONNECT:
@@ -1042,11 +1244,11 @@ class Broker:
                 raise MqttError(_RC_MALFORMED, "reserved flags")
             return self.on_disconnect(conn, b, i, end)
         if ptype == _CONNECT:
-            raise MqttError(_RC_PROTOCOL, "second _CONNECT")  # MQTT-3.1.0-2
+            raise MqttError(_RC_PROTOCOL, "second CONNECT")  # MQTT-3.1.0-2
         if ptype == _AUTH and conn.ver == 5:
             # No Authentication Method was accepted in CONNECT, so any AUTH
             # is a Protocol Error (4.12): enhanced auth is not supported.
-            raise MqttError(_RC_PROTOCOL, "_AUTH not supported")
+            raise MqttError(_RC_PROTOCOL, "AUTH not supported")
         if ptype == 0:
             raise MqttError(_RC_MALFORMED, "reserved packet type 0")
         raise MqttError(_RC_PROTOCOL, "packet type %d not sent by clients" % ptype)
@@ -1054,7 +1256,7 @@ class Broker:
     # ------------------------------------------------------------ CONNECT
     def on_connect(self, conn, flags, b, i, end):
         if flags:
-            raise MqttError(_RC_MALFORMED, "_CONNECT reserved flags")
+            raise MqttError(_RC_MALFORMED, "CONNECT reserved flags")
         name, i = read_bin(b, i, end)
         _need(i, 4, end)
         level = b[i]
@@ -1070,7 +1272,7 @@ class Broker:
             return
         conn.ver = level
         if cflags & 1:  # MQTT-3.1.2-3 reserved flag
-            raise MqttError(_RC_MALFORMED, "_CONNECT reserved flag set")
+            raise MqttError(_RC_MALFORMED, "CONNECT reserved flag set")
         clean = cflags & 2
         will_flag = cflags & 4
         will_qos = cflags >> 3 & 3
@@ -1105,7 +1307,7 @@ class Broker:
         if has_pw:
             pw, i = read_bin(b, i, end)
         if i != end:
-            raise MqttError(_RC_MALFORMED, "bytes after _CONNECT payload")
+            raise MqttError(_RC_MALFORMED, "bytes after CONNECT payload")
         v5 = level == 5
         if v5:
             rm = props.get(_P_RECEIVE_MAX, 65535)
@@ -1179,6 +1381,8 @@ class Broker:
         sess.conn = conn
         conn.sess = sess
         conn.cid = cid
+        conn.user = user
+        self.pre -= 1
         self.connected += 1
         if v5 and cfg["server_keep_alive"]:
             ka = cfg["server_keep_alive"]  # MQTT-3.2.2-21: the client uses ours
@@ -1207,7 +1411,9 @@ class Broker:
             self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
         else:
             self.write(conn, bytes((0x20, 2, 1 if present else 0, 0)))
-        self.log("debug", "connected %s v%d", cid, level)
+        self.log("info", "client %s connected from %s (MQTT %s, user %s, clean %d, keep alive %d)%s",
+                 cid, conn.peer, "5.0" if v5 else "3.1.1", user or "-", 1 if clean else 0, ka,
+                 ", session present" if present else "")
         # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL
         for ent in sess.inflight:
             if ent[5]:
@@ -1245,7 +1451,7 @@ class Broker:
 
     def new_client_id(self):
         self._next_id += 1
-        return "edgebroker-%d-%d" % (self._next_id, _ticks_ms() & 0xFFFF)
+        return "edgebroker-%d-%d" % (self._next_id, int(self.now_s * 1000) & 0xFFFF)
 
     def new_session(self, cid, ver):
         s = Session(cid, ver)
@@ -1486,6 +1692,16 @@ class Broker:
         if msg[_M_QOS] < qos:
             qos = msg[_M_QOS]
         conn = sess.conn
+        if sess.cb is not None:
+            # a local subscription: called at the end of this turn, from the
+            # loop; bounded like a session queue (drop oldest, counted)
+            lq = self.localq
+            if len(lq) >= self.max_queued * 4:
+                lq.pop(0)
+                self.n_dropped += 1
+                self.refuse("local_queue_full", "local subscriber %s", sess.cid)
+            lq.append((sess, msg, retain))
+            return
         if conn is None:
             if qos:
                 self.enqueue(sess, [msg, qos, retain, sids])
@@ -1582,6 +1798,8 @@ class Broker:
         """Lets waiting messages out while the window and the buffer allow:
         the queue first (live traffic), then pending retained deliveries,
         which are read from the store's iterator one message at a time (D9)."""
+        if sess.cb is not None:
+            return self.pump_local(sess)
         conn = sess.conn
         if conn is None or conn.closed:
             return
@@ -1640,11 +1858,11 @@ class Broker:
             return
         if ptype == _PUBACK:
             if e[2] != 1:
-                raise MqttError(_RC_PROTOCOL, "_PUBACK for a QoS 2 message")
+                raise MqttError(_RC_PROTOCOL, "PUBACK for a QoS 2 message")
             inflight.pop(k)
         elif ptype == _PUBREC:
             if e[2] != 2:
-                raise MqttError(_RC_PROTOCOL, "_PUBREC for a QoS 1 message")
+                raise MqttError(_RC_PROTOCOL, "PUBREC for a QoS 1 message")
             if rc >= 0x80:
                 inflight.pop(k)  # 4.3.3: an error PUBREC ends the exchange
             else:
@@ -1654,7 +1872,7 @@ class Broker:
                 return
         else:  # PUBCOMP
             if not e[5]:
-                raise MqttError(_RC_PROTOCOL, "_PUBCOMP before _PUBREL")
+                raise MqttError(_RC_PROTOCOL, "PUBCOMP before PUBREL")
             inflight.pop(k)
         self.pump(sess)
 
@@ -1671,7 +1889,7 @@ class Broker:
             if _P_SUB_ID in props and sid == 0:
                 raise MqttError(_RC_PROTOCOL, "Subscription Identifier 0")
         if i >= end:
-            raise MqttError(_RC_PROTOCOL, "_SUBSCRIBE with no filters")  # MQTT-3.8.3-3
+            raise MqttError(_RC_PROTOCOL, "SUBSCRIBE with no filters")  # MQTT-3.8.3-3
         sess = conn.sess
         cfg = self.cfg
         codes = bytearray()
@@ -1690,7 +1908,7 @@ class Broker:
             elif opts & 0xFC:
                 raise MqttError(_RC_MALFORMED, "reserved subscription option bits")  # 3.1.1 MQTT-3.8.3-4
             if opts & 3 == 3:
-                raise MqttError(_RC_MALFORMED, "QoS 3 in _SUBSCRIBE")
+                raise MqttError(_RC_MALFORMED, "QoS 3 in SUBSCRIBE")
             if filt[:7] == "$share/":
                 codes.append(_RC_SHARED_UNSUPPORTED if v5 else 0x80)
                 why = "shared subscriptions not supported"
@@ -1758,7 +1976,7 @@ class Broker:
         if v5:
             _, _, i = read_props(b, i, end)
         if i >= end:
-            raise MqttError(_RC_PROTOCOL, "_UNSUBSCRIBE with no filters")  # MQTT-3.10.3-2
+            raise MqttError(_RC_PROTOCOL, "UNSUBSCRIBE with no filters")  # MQTT-3.10.3-2
         sess = conn.sess
         codes = bytearray()
         while i < end:
@@ -1790,28 +2008,21 @@ class Broker:
                         raise MqttError(_RC_PROTOCOL, "Session Expiry set after 0")
                     conn.sess.expiry = min(se, self.cfg["max_session_expiry"])
         # MQTT-3.14.4-3: a normal DISCONNECT discards the will; 0x04 keeps it
+        self.log("info", "client %s disconnected (reason 0x%02x)", conn.cid, rc)
         self.close(conn, rc == _RC_DISCONNECT_WITH_WILL)
 
     # -------------------------------------------------------------- close
+    # -------------------------------------------------------------- close
     def close(self, conn, will):
+        """Ends a connection: the session part here, the socket by the
+        server (the connection goes to `ended`; what is left in conn.out is
+        sent first, best effort: a final CONNACK or DISCONNECT)."""
         if conn.closed:
             return
         conn.closed = True
-        if conn.out:
-            try:  # best effort for a final CONNACK or DISCONNECT
-                conn.sock.send(conn.out)
-            except OSError:
-                pass
-        self.conns.pop(conn.key, None)
-        try:
-            self.poller.unregister(conn.sock)
-        except (OSError, ValueError, KeyError):
-            pass
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
-        conn.out = None
+        self.ended.append(conn)
+        if self.conns.pop(conn, 0) is None and conn.sess is None:
+            self.pre -= 1
         conn.pend = None
         sess = conn.sess
         if sess is None or sess.conn is not conn:
@@ -1835,184 +2046,112 @@ class Broker:
                 self.wills.append([self.now_s + min(delay, sess.expiry), sess, msg, retain])
             else:
                 self.publish(msg, retain, None)
-        self.log("debug", "closed %s", conn.cid)
 
-    # ------------------------------------------------------------ 9. loops
-    def flush(self, conn):
-        o = conn.out
-        if not o:
-            return
+    # ------------------------------------------------- the server's side
+    def open(self, io, now, peer=""):
+        """A new network connection. Connections without CONNECT are bounded
+        (max_pre): at the bound the oldest of them is dropped for this one."""
+        self.now_s = now
+        if self.pre >= self.max_pre:
+            oldest = None
+            for c in self.conns:
+                if c.sess is None and (oldest is None or c.last < oldest.last):
+                    oldest = c
+            if oldest is not None:
+                self.refuse("pre_connect", "no CONNECT from %s, dropped for a new connection",
+                            oldest.peer)
+                self.close(oldest, False)
+        conn = Conn(io, now, peer)
+        self.conns[conn] = None
+        self.pre += 1
+        return conn
+
+    def receive(self, conn, data, n, now):
+        """Bytes data[:n] (a memoryview) arrived on a connection. A protocol
+        error ends that connection with its reason code; nothing a client
+        sends can stop the engine or harm another client."""
+        self.now_s = now
         try:
-            n = conn.sock.send(o)
-        except OSError as e:
-            if e.args[0] in _EAGAIN:
-                n = 0
-            else:
-                self.close(conn, True)
-                return
+            self.feed(conn, data, n)
+        except MqttError as err:
+            self.protocol_error(conn, err)
+        except MemoryError:
+            self.close(conn, True)
+            gc.collect()
+            self.refuse("memory", "MemoryError serving %s", conn.cid)
+        except Exception as err:  # a bug must not stop the broker
+            self.log("error", "internal error with %s: %r", conn.cid, err)
+            _print_exc(err)
+            self.close(conn, True)
+
+    def lost(self, conn, now):
+        """The network closed the connection (EOF, reset): an abnormal
+        close, so the will is published (MQTT-3.1.2-8)."""
+        self.now_s = now
+        if conn.closed:
+            return
+        if conn.pend is not None:
+            self.log("info", "client %s closed mid-packet (%d bytes)",
+                     conn.cid or conn.peer, len(conn.pend))
+        elif conn.sess is not None:
+            self.log("info", "client %s disconnected: connection lost", conn.cid)
+        self.close(conn, True)
+
+    def sent(self, conn, n):
+        """The server sent the first n bytes of conn.out. True when all of
+        it has left (paced deliveries go on at the next turn)."""
+        o = conn.out
+        if o is None:
+            return True
         if n >= len(o):
             conn.out = None
-            if conn.pollout:
-                conn.pollout = False
-                self.poller.modify(conn.sock, select.POLLIN)
             sess = conn.sess
             if sess is not None and sess.rq and sess not in self.busy:
                 self.busy.append(sess)  # drained: paced delivery goes on
-            return
+            return True
         if n:
             o[0:n] = b""
         if len(o) > 4 * self.max_outbuf + self.max_packet:
             # a client that does not read its acks and pings is cut off
             self.refuse("slow_reader", "client %s not reading, closed", conn.cid)
             self.close(conn, True)
-            return
-        if not conn.pollout:
-            conn.pollout = True
-            self.poller.modify(conn.sock, select.POLLIN | select.POLLOUT)
+        return False
 
-    def on_readable(self, conn):
-        mv = self.rmv
-        try:
-            n = _recv_into(conn.sock, mv)
-        except OSError:
-            n = 0
-        if n < 0:
-            return
-        if n == 0:
-            if conn.pend is not None:
-                self.log("info", "client %s closed mid-packet (%d bytes)",
-                         conn.cid or "?", len(conn.pend))
-            self.close(conn, True)  # abnormal close: will published
-            return
-        self.feed(conn, mv, n)
-
-    def accept(self):
-        """Own accept loop: MicroPython's start_server task dies for good on
-        one MemoryError (design.md); here a failure closes that one socket,
-        collects, and the next accept goes on."""
-        for _ in range(16):
-            try:
-                s, _a = self.lsock.accept()
-            except OSError as e:
-                if e.args[0] in _EMFILE:
-                    self.refuse("sockets", "no free socket, accept paused")
-                    self._accept_pause = self.now_s + 0.5
-                    self.poller.unregister(self.lsock)
-                return
-            except MemoryError:
-                gc.collect()
-                self.refuse("memory", "MemoryError in accept")
-                return
-            try:
-                s.setblocking(False)
-                try:
-                    # Nagle + the client's delayed ACK would hold a lone
-                    # small packet (a SUBACK's first retained message) ~40 ms
-                    s.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
-                except OSError:
-                    pass
-                k = _key(s)
-                c = Conn(s, k, self.now_s)
-                self.conns[k] = c
-                self.poller.register(s, select.POLLIN)
-            except MemoryError:
-                try:
-                    s.close()
-                except OSError:
-                    pass
-                gc.collect()
-                self.refuse("memory", "MemoryError for a new connection")
-
-    def listen(self, host, port):
-        ai = socket.getaddrinfo(host, port)[0]
-        s = socket.socket(ai[0], socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(ai[-1])
-        s.listen(self.cfg["backlog"])
-        s.setblocking(False)
-        self.lsock = s
-        self.poller = select.poll()
-        self.poller.register(s, select.POLLIN)
-        if _gc_threshold is not None:
-            # MicroPython collects only when an allocation fails, so between
-            # collections the allocator walks the whole heap and leaves the
-            # long-lived small objects (one per retained message) sprinkled
-            # over all of it: then a 3 KB block cannot be had with most of
-            # the heap free (measured: 12.8 MB free, largest hole 1 KB).
-            # Collecting after 1/16 of the heap keeps allocation low and the
-            # rest of the heap in one piece.
-            _gc_threshold(max(32768, _mem_free() // 16))
-        self.rmv = memoryview(bytearray(self.cfg["io_chunk"]))
-        self.now_s = self.now()
-        self.started = self.now_s
-        self._last_tick = self.now_s
-        self._last_sys = self.now_s - self.cfg["sys_interval"]
-        self.running = True
-
-    def serve(self, on_tick=None):
-        """Runs until stop() or KeyboardInterrupt. on_tick, if given, is
-        called about once a second (firmware feeds its watchdog there)."""
-        lkey = _key(self.lsock)
-        poller = self.poller
-        conns = self.conns
-        try:
-            while self.running:
-                timeout = 0 if self.busy else 200
-                for ev in _poll(poller, timeout):
-                    k = ev[0]
-                    self.now_s = self.now()
-                    if k == lkey:
-                        self.accept()
-                        continue
-                    conn = conns.get(k)
-                    if conn is None:
-                        continue
-                    try:
-                        e = ev[1]
-                        if e & select.POLLOUT:
-                            self.flush(conn)
-                            if not conn.out and conn.sess is not None:
-                                self.pump(conn.sess)
-                        if e & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
-                            self.on_readable(conn)
-                    except MqttError as err:
-                        self.protocol_error(conn, err)
-                    except MemoryError:
-                        self.close(conn, True)
-                        gc.collect()
-                        self.refuse("memory", "MemoryError serving %s", conn.cid)
-                    except Exception as err:  # a bug must not stop the broker
-                        self.log("error", "internal error with %s: %r", conn.cid, err)
-                        _print_exc(err)
-                        self.close(conn, True)
-                self.now_s = self.now()
-                try:
-                    self.turn(on_tick)
-                except MemoryError:
-                    gc.collect()
-                    self.refuse("memory", "MemoryError between packets")
-                except Exception as err:  # a bug must not stop the broker
-                    self.log("error", "internal error: %r", err)
-                    _print_exc(err)
-        finally:
-            self.shutdown()
-
-    def turn(self, on_tick):
-        """The end of a loop turn: paced deliveries, the group commit and the
-        acks that waited for it, flushing, and the once-a-second tick."""
+    def turn(self, now):
+        """The end of a loop turn: housekeeping once a second, paced
+        deliveries, local callbacks, then the group commit and the acks that
+        waited for it. What to send is then in `dirty`, what to close in
+        `ended`."""
+        self.now_s = now
+        if now - self._last_tick >= 1:
+            self.tick()
         if self.busy:
             busy = self.busy
             self.busy = []
             for sess in busy:
                 self.pump(sess)
+        if self.localq:
+            self.run_local()
+        if self.sdirty or self.deferred:
+            self.commit()
+
+    def idle(self):
+        """True when nothing waits for the next turn but I/O or the tick."""
+        return not (self.busy or self.localq)
+
+    def commit(self):
+        """The one durability path: the store commits what changed (one
+        commit per loop turn at most, whatever the number of publishes), then
+        the acknowledgements that waited for it leave, in order (4.6). A
+        failed commit acknowledges nothing. False if it failed."""
+        ok = True
         if self.sdirty:
-            # group commit: one per loop turn, then the acks that waited for
-            # it (durability: never acknowledged earlier)
             self.sdirty = False
             try:
                 self.store.commit()
             except (OSError, MemoryError) as err:
                 self.store_failed(err)
+                ok = False
         if self.deferred:
             for conn in self.deferred:
                 d = conn.defer
@@ -2020,16 +2159,115 @@ class Broker:
                 for a in d:
                     self.write(conn, a)
             self.deferred = []
-        if self.dirty:
-            dirty = self.dirty
-            self.dirty = []
-            for conn in dirty:
-                if not conn.closed and conn.out:
-                    self.flush(conn)
-        if self.now_s - self._last_tick >= 1:
-            self.tick()
-            if on_tick is not None:
-                on_tick(self)
+        return ok
+
+    def shutdown(self):
+        """Closes every connection (no wills: the broker stops, the clients
+        did nothing wrong), ends retained deliveries, closes the store."""
+        for conn in list(self.conns):
+            self.close(conn, False)
+        for sess in self.sessions.values():
+            self.drop_rq(sess)  # leave no generator half-run at exit
+        self.store.close()
+
+    # ------------------------------------------------ the local client
+    def local_publish(self, topic, payload, qos, retain, properties):
+        """A publish from code beside the broker: the same checks, routing,
+        retained rules and durability as a network PUBLISH. Bad arguments
+        raise ValueError naming what is wrong."""
+        if isinstance(payload, str):
+            payload = payload.encode()
+        elif not isinstance(payload, bytes):
+            payload = bytes(payload)
+        if not isinstance(topic, str) or not valid_topic_name(topic):
+            raise ValueError("topic: %r is not a valid topic name" % (topic,))
+        cfg = self.cfg
+        tb = topic.encode()
+        if len(tb) > cfg["max_topic_length"] or topic.count("/") >= cfg["max_topic_levels"]:
+            raise ValueError("topic: over max_topic_length or max_topic_levels")
+        if topic[:4] == "$SYS":
+            raise ValueError("topic: $SYS belongs to the broker")
+        if qos not in (0, 1, 2):
+            raise ValueError("qos: %r (allowed 0, 1, 2)" % (qos,))
+        if retain and not cfg["retain_available"]:
+            raise ValueError("retain: retain_available is false")
+        if len(payload) > self.max_packet:
+            raise ValueError("payload: larger than max_packet_size")
+        fwd, exp = b"", 0
+        if properties:
+            fwd, exp = encode_props(properties)
+        if qos > cfg["maximum_qos"]:
+            qos = cfg["maximum_qos"]
+        self.n_in += 1
+        msg = (topic, tb, payload, qos, fwd, self.now_s + exp if exp else 0, 1 if exp else 0)
+        self.publish(msg, 1 if retain else 0, None)
+
+    def local_subscribe(self, filt, callback, qos):
+        if not isinstance(filt, str) or not valid_filter(filt) or filt[:7] == "$share/":
+            raise ValueError("topic_filter: %r is not a valid topic filter" % (filt,))
+        if qos not in (0, 1, 2):
+            raise ValueError("qos: %r (allowed 0, 1, 2)" % (qos,))
+        self._next_id += 1
+        sess = Session("$local-%d" % self._next_id, 5)
+        sess.cb = callback
+        sess.subs[filt] = (qos, 0)
+        self.tree.add(filt, sess, qos, 0)
+        if self.cfg["retain_available"]:
+            # like a new MQTT subscription with Retain Handling 0 (D1)
+            flevels = filt.split("/")
+            it = self.sys_iter(flevels) if flevels[0] == "$SYS" else self.store.match(flevels)
+            sess.rq.append([it, qos, 0, filt, None])
+            self.busy.append(sess)
+        return sess
+
+    def local_unsubscribe(self, sess):
+        for f in sess.subs:
+            self.tree.remove(f, sess)
+        sess.subs = {}
+        self.drop_rq(sess)
+        sess.cb = None
+
+    def run_local(self):
+        """Runs local callbacks queued by routing, from the event loop. A
+        callback that raises is logged and counted ($SYS app errors); the
+        others still get their messages."""
+        q = self.localq
+        self.localq = []
+        for sess, msg, retain in q:
+            self.call_local(sess, msg, retain)
+
+    def call_local(self, sess, msg, retain):
+        cb = sess.cb
+        if cb is None:
+            return
+        if msg[_M_EXP] and msg[_M_EXP] <= self.now_s:
+            return  # E1: its lifetime has passed
+        props = decode_props(msg[_M_PROPS])
+        if msg[_M_OWNEXP] and msg[_M_EXP]:
+            props["message_expiry_interval"] = int(msg[_M_EXP] - self.now_s + 0.999)
+        try:
+            cb(msg[_M_TOPIC], msg[_M_PAYLOAD], bool(retain), props)
+        except Exception as err:
+            self.app_errors += 1
+            self.log("error", "local subscriber %s raised %r", sess.cid, err)
+            _print_exc(err)
+
+    def pump_local(self, sess):
+        # retained messages for a local subscription: 32 a turn, so a large
+        # store never holds the loop (D9); busy until its iterators end
+        rq = sess.rq
+        n = 0
+        while rq and n < 32:
+            ent = rq[0]
+            try:
+                m = next(ent[0])
+            except StopIteration:
+                rq.pop(0)[0].close()
+                continue
+            self.call_local(sess, m, 1)
+            n += 1
+        if rq and sess not in self.busy:
+            self.busy.append(sess)
 
     def store_failed(self, err):
         """A commit failed (flash full, I/O error): what it held is not
@@ -2044,7 +2282,7 @@ class Broker:
         self.deferred = []
 
     def protocol_error(self, conn, err):
-        self.log("info", "client %s: %s (0x%02x)", conn.cid or "?", err.text, err.code)
+        self.log("info", "client %s: %s (0x%02x)", conn.cid or conn.peer, err.text, err.code)
         self.refuse("protocol", "%s", err.text)
         self.disconnect(conn, err.code, err.text)
 
@@ -2053,13 +2291,11 @@ class Broker:
         and retained expiry, $SYS."""
         now = self.now_s
         self._last_tick = now
-        if self._accept_pause and now >= self._accept_pause:
-            self._accept_pause = 0
-            self.poller.register(self.lsock, select.POLLIN)
         ct = self.cfg["connect_timeout"]
-        for conn in list(self.conns.values()):
+        for conn in list(self.conns):
             if conn.sess is None:
-                if now - conn.born > ct:
+                if now - conn.last > ct:
+                    self.refuse("connect_timeout", "no CONNECT from %s in %d s", conn.peer, ct)
                     self.close(conn, False)
             elif conn.ka and now - conn.last > conn.ka * 1.5:
                 # MQTT-3.1.2-22: 1.5 times the Keep Alive without a packet
@@ -2084,7 +2320,7 @@ class Broker:
             self._last_sys = now
             self.publish_sys()
 
-    # ------------------------------------------------------------ 10. stats
+    # ---------------------------------------------------------------- stats
     def publish_sys(self):
         # Live $SYS subscribers get fresh values every sys_interval; a new
         # one gets them at SUBSCRIBE, RETAIN=1 (sys_iter). They are made on
@@ -2117,22 +2353,451 @@ class Broker:
         for name, v in vals:
             yield self.make_msg("$SYS/broker/" + name, str(v).encode(), 0, b"", 0)
 
-    def stop(self):
-        self.running = False
+# ------------------------------------------------------------- 9. servers
+class Broker:
+    """A listening broker: an Engine plus the server that moves its bytes.
+    Made by start(). Two servers drive the same engine:
 
-    def shutdown(self):
-        for conn in list(self.conns.values()):
-            self.close(conn, False)
-        for sess in self.sessions.values():
-            self.drop_rq(sess)  # leave no generator half-run at exit
+      serve()              a blocking select.poll loop (the host build's
+                           default: the fastest on CPython)
+      await serve_async()  one asyncio task beside the user's own tasks (the
+                           way it runs on a board); idle, it sleeps until a
+                           socket is ready or the once-a-second tick is due
+
+    Both run until stop(). publish(), subscribe() and unsubscribe() are the
+    local client: code beside the broker, with no socket and no client slot.
+    """
+
+    def __init__(self, cfg, store=None, clock=None, log=None):
+        self.cfg = cfg
+        self.clock = clock if clock is not None else MonoClock()
+        self.engine = Engine(cfg, store, log)
+        self.store = self.engine.store
+        self.lsock = None
+        self.poller = None
+        self.socks = {}       # poll server: socket key -> Conn
+        self.rmv = None       # the shared receive buffer, through a memoryview
+        self.running = False
+        self.host = None
+        self.port = 0
+        self._async = False
+        self._wake = None     # async server: set when the engine has work
+        self._pause = 0       # accept paused until this broker second
+
+    def log(self, level, fmt, *args):
+        self.engine.log(level, fmt, *args)
+
+    # ------------------------------------------------------------ listen
+    def listen(self, host, port):
+        ai = socket.getaddrinfo(host, port)[0]
+        s = socket.socket(ai[0], socket.SOCK_STREAM)
         try:
-            self.poller.unregister(self.lsock)
-        except (OSError, ValueError, KeyError, AttributeError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(ai[-1])
+            s.listen(self.cfg["backlog"])
+        except OSError:
+            s.close()
+            raise
+        s.setblocking(False)
+        self.lsock = s
+        self.host = host
+        self.port = port
+        if _gc_threshold is not None:
+            # MicroPython collects only when an allocation fails, so between
+            # collections the allocator walks the whole heap and leaves the
+            # long-lived small objects (one per retained message) sprinkled
+            # over all of it: then a 3 KB block cannot be had with most of
+            # the heap free (measured: 12.8 MB free, largest hole 1 KB).
+            # Collecting after 1/16 of the heap keeps allocation low and the
+            # rest of the heap in one piece.
+            _gc_threshold(max(32768, _mem_free() // 16))
+        self.rmv = memoryview(bytearray(self.cfg["io_chunk"]))
+        self.engine.start(self.clock())
+        self.running = True
+
+    def stop(self):
+        """Ends serve() or serve_async() at its next turn (callable from a
+        signal handler, a local callback or another task)."""
+        self.running = False
+        if self._wake is not None:
+            self._wake.set()
+
+    # ---------------------------------------------------- the local client
+    def publish(self, topic, payload, qos=0, retain=False, properties=None):
+        """Publishes from code beside the broker, with the routing, retained
+        rules and durability of a network PUBLISH. A retained publish on a
+        flash store returns once it is durable, or raises OSError."""
+        eng = self.engine
+        eng.now_s = self.clock()
+        eng.local_publish(topic, payload, qos, retain, properties)
+        if eng.sdirty and not eng.commit():
+            raise OSError("retained store write failed")
+        self._kick()
+
+    def subscribe(self, topic_filter, callback, qos=0):
+        """callback(topic, payload, retained, properties) is called from the
+        event loop for every matching message, retained ones first as for a
+        new MQTT subscription (Retain Handling 0). Returns a handle for
+        unsubscribe()."""
+        eng = self.engine
+        eng.now_s = self.clock()
+        h = eng.local_subscribe(topic_filter, callback, qos)
+        self._kick()
+        return h
+
+    def unsubscribe(self, handle):
+        self.engine.local_unsubscribe(handle)
+
+    def _kick(self):
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------- shared socket work
+    def _accept(self):
+        """Accepts waiting connections (up to 16 a call). Own accept loop:
+        MicroPython's start_server task dies for good on one MemoryError;
+        here a failure closes that one socket, collects, and accepting goes
+        on. With the free heap below half of heap_reserve it does not accept
+        at all (paused, the kernel's backlog holds the clients) rather than
+        accept and fail."""
+        eng = self.engine
+        for _ in range(16):
+            if _mem_free is not None and _mem_free() < self.cfg["heap_reserve"] // 2:
+                gc.collect()
+                if _mem_free() < self.cfg["heap_reserve"] // 2:
+                    eng.refuse("memory", "free heap below heap_reserve/2, accept paused")
+                    self._pause = self.clock() + 0.5
+                    return
+            try:
+                s, a = self.lsock.accept()
+            except OSError as e:
+                if e.args[0] in _EMFILE:
+                    eng.refuse("sockets", "no free socket, accept paused")
+                    self._pause = self.clock() + 0.5
+                return
+            except MemoryError:
+                gc.collect()
+                eng.refuse("memory", "MemoryError in accept")
+                return
+            conn = None
+            try:
+                s.setblocking(False)
+                try:
+                    # Nagle + the client's delayed ACK would hold a lone
+                    # small packet (a SUBACK's first retained message) ~40 ms
+                    s.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
+                except OSError:
+                    pass
+                conn = eng.open(s, self.clock(), _peer(a))
+                self._watch(conn)
+            except MemoryError:
+                # the socket was never watched (or is forgotten): close it
+                if conn is not None:
+                    eng.close(conn, False)
+                    self._forget(conn)
+                else:
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+                gc.collect()
+                eng.refuse("memory", "MemoryError for a new connection")
+            self._release_ended()
+
+    def _read(self, conn):
+        try:
+            n = _recv_into(conn.io, self.rmv)
+        except OSError:
+            n = 0
+        if n < 0:
+            return
+        if n == 0:
+            self.engine.lost(conn, self.clock())
+        else:
+            self.engine.receive(conn, self.rmv, n, self.clock())
+
+    def _flush(self, conn):
+        """Sends what the engine left in conn.out; True when all of it left."""
+        o = conn.out
+        if not o:
+            return True
+        try:
+            n = conn.io.send(o)
+        except OSError as e:
+            if e.args[0] in _EAGAIN:
+                n = 0
+            else:
+                self.engine.lost(conn, self.clock())
+                return True
+        if n is None:
+            n = 0
+        done = self.engine.sent(conn, n)
+        if not conn.closed:
+            self._want_write(conn, not done)
+        return done
+
+    def _io_out(self):
+        """After the engine worked: flush the connections with bytes to
+        send, release the ones it ended."""
+        eng = self.engine
+        if eng.dirty:
+            dirty = eng.dirty
+            eng.dirty = []
+            for conn in dirty:
+                if not conn.closed and conn.out and not conn.wait:
+                    self._flush(conn)
+        self._release_ended()
+
+    def _release_ended(self):
+        eng = self.engine
+        while eng.ended:
+            ended = eng.ended
+            eng.ended = []
+            for conn in ended:
+                self._forget(conn)
+
+    def _close_io(self, conn):
+        # best effort for a final CONNACK or DISCONNECT, then the socket
+        s = conn.io
+        if s is None:
+            return
+        conn.io = None
+        if conn.out:
+            try:
+                s.send(conn.out)
+            except OSError:
+                pass
+        conn.out = None
+        try:
+            s.close()
+        except OSError:
             pass
-        if self.lsock is not None:
-            self.lsock.close()
-            self.lsock = None
-        self.store.close()
+
+    def _turn(self):
+        try:
+            self.engine.turn(self.clock())
+        except MemoryError:
+            gc.collect()
+            self.engine.refuse("memory", "MemoryError between packets")
+        except Exception as err:  # a bug must not stop the broker
+            self.engine.log("error", "internal error: %r", err)
+            _print_exc(err)
+        self._io_out()
+
+    def _watch(self, conn):
+        if self._async:
+            conn.task = _asyncio().create_task(self._reader(conn))
+        else:
+            k = _key(conn.io)
+            self.poller.register(conn.io, select.POLLIN)
+            self.socks[k] = conn
+
+    def _want_write(self, conn, want):
+        if self._async:
+            if want and conn.wait is None:
+                conn.wait = _asyncio().create_task(self._writer(conn))
+        elif want != bool(conn.wait):
+            conn.wait = want
+            self.poller.modify(conn.io, select.POLLIN | select.POLLOUT if want else select.POLLIN)
+
+    def _forget(self, conn):
+        """Releases an ended connection's socket. Poll: unregistered before
+        it is closed (a closed socket left in a MicroPython poller is what
+        crashed poll_poll_internal). Async: its tasks are cancelled first,
+        which on MicroPython takes them out of the scheduler's poller at
+        once; on CPython the loop's reader is removed before the close."""
+        s = conn.io
+        if s is None:
+            return
+        if self._async:
+            for t in (conn.wait, conn.task):
+                if t is not None and t is not _current():
+                    t.cancel()
+            conn.wait = None
+            _io_forget(s)
+        else:
+            self.socks.pop(_key(s), None)
+            try:
+                self.poller.unregister(s)
+            except (OSError, ValueError, KeyError):
+                pass
+        self._close_io(conn)
+
+    # ------------------------------------------------------- poll server
+    def serve(self, on_tick=None):
+        """The poll server: runs until stop() or KeyboardInterrupt. on_tick,
+        if given, is called about once a second."""
+        self.poller = poller = select.poll()
+        lsock = self.lsock
+        poller.register(lsock, select.POLLIN)
+        lkey = _key(lsock)
+        socks = self.socks
+        eng = self.engine
+        last = self.clock()
+        paused = False
+        try:
+            while self.running:
+                for ev in _poll(poller, 200 if eng.idle() else 0):
+                    k = ev[0]
+                    if k == lkey:
+                        self._accept()
+                        if self._pause:
+                            poller.unregister(lsock)
+                            paused = True
+                        continue
+                    conn = socks.get(k)
+                    if conn is None or conn.closed:
+                        continue
+                    e = ev[1]
+                    if e & select.POLLOUT:
+                        self._flush(conn)
+                    if e & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
+                        self._read(conn)
+                self._turn()
+                now = self.clock()
+                if paused and now >= self._pause:
+                    self._pause = 0
+                    paused = False
+                    poller.register(lsock, select.POLLIN)
+                if on_tick is not None and now - last >= 1:
+                    last = now
+                    on_tick(self)
+        finally:
+            self.shutdown()
+
+    # ------------------------------------------------------ async server
+    async def serve_async(self):
+        """The asyncio server: one task that runs the engine's turns, one
+        that accepts, one reader per connection (a writer only while a
+        socket is full), and a once-a-second tick. Nothing polls: idle, it
+        wakes once a second. Runs until stop()."""
+        aio = _asyncio()
+        self._async = True
+        self._wake = wake = aio.Event()
+        eng = self.engine
+        acc = aio.create_task(self._acceptor())
+        tick = aio.create_task(self._ticker())
+        try:
+            while self.running:
+                await wake.wait()
+                wake.clear()
+                self._turn()
+                while self.running and not eng.idle():
+                    # paced deliveries go on, but every other task runs first
+                    await aio.sleep(0)
+                    self._turn()
+        finally:
+            acc.cancel()
+            tick.cancel()
+            self.shutdown()
+
+    async def _acceptor(self):
+        aio = _asyncio()
+        s = self.lsock
+        while self.running:
+            try:
+                if self._pause:
+                    await aio.sleep(0.5)
+                    self._pause = 0
+                await _io_wait(s, False)
+                self._accept()
+            except MemoryError:
+                gc.collect()
+                self.engine.refuse("memory", "MemoryError in accept")
+            self._wake.set()
+
+    async def _ticker(self):
+        aio = _asyncio()
+        while self.running:
+            await aio.sleep(1)
+            self._wake.set()
+
+    async def _reader(self, conn):
+        s = conn.io
+        try:
+            while not conn.closed:
+                await _io_wait(s, False)
+                if conn.closed:
+                    break
+                self._read(conn)
+                self._wake.set()
+        except MemoryError:
+            gc.collect()
+            self.engine.refuse("memory", "MemoryError serving %s", conn.cid)
+            self.engine.close(conn, True)
+        finally:
+            if not conn.closed:
+                self.engine.lost(conn, self.clock())
+            if conn.io is not None:
+                if conn.wait is not None:
+                    conn.wait.cancel()
+                    conn.wait = None
+                _io_forget(s)
+                self._close_io(conn)
+            self._wake.set()
+
+    async def _writer(self, conn):
+        # only while the socket is full: the reader keeps reading meanwhile
+        try:
+            while conn.out and not conn.closed:
+                await _io_wait(conn.io, True)
+                if conn.closed or self._flush(conn):
+                    break
+        finally:
+            conn.wait = None
+            self._wake.set()
+
+    # ------------------------------------------------------------ shutdown
+    def shutdown(self):
+        """Closes every connection and the listener, then the store."""
+        if self.lsock is None:
+            return
+        eng = self.engine
+        for conn in list(eng.conns):
+            eng.close(conn, False)
+        self._release_ended()
+        if self.poller is not None:
+            try:
+                self.poller.unregister(self.lsock)
+            except (OSError, ValueError, KeyError):
+                pass
+        if self._async:
+            _io_forget(self.lsock)
+        self.lsock.close()
+        self.lsock = None
+        self.running = False
+        eng.shutdown()
+
+
+# ------------------------------------------------------------ 10. the API
+def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
+    """Builds a broker from a board profile (a dict; missing keys take their
+    defaults), opens its retained store as storage_type says (a flash store
+    under data_dir), and listens. Returns the Broker: then serve() or
+    `await broker.serve_async()`. A bad profile value raises ValueError
+    naming the key; a port in use raises OSError."""
+    cfg = limits(profile)
+    clock = MonoClock()
+    if data_dir:
+        try:
+            os.mkdir(data_dir)
+        except OSError:
+            pass  # exists
+    if log is None:
+        lvl = _LEVELS[cfg["log_level"]]
+
+        def log(level, text):
+            if _LEVELS[level] >= lvl:
+                print("edgebroker: %s %s" % (level, text), file=sys.stderr)
+    # the store reports recovery (torn tail, corrupt records, moved aside)
+    store = open_store(cfg, data_dir, clock, _wallclock, log)
+    b = Broker(cfg, store, clock, log)
+    try:
+        b.listen(host, port)
+    except OSError:
+        store.close()
+        raise
+    return b
 
 
 # --------------------------------------------------------------- 11. main
@@ -2144,74 +2809,97 @@ def _parse_value(v):
         return v
 
 
+def _stamp():
+    t = time.localtime()
+    return "%04d-%02d-%02d %02d:%02d:%02d" % t[:6]
+
+
+def _die(text):
+    print("edgebroker: error: %s" % text, file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv):
     """Host build and emulator: `edgebroker.py --board F --port N
-    [--bind A] [--data-dir D] [--set key=value]...` (docs/contract.md)."""
+    [--bind A] [--data-dir D] [--server poll|async] [--set key=value]...`.
+    Errors are one line on stderr and exit status 2."""
     import json
     board = None
     port = 1883
     bind = "127.0.0.1"
     data_dir = None
+    server = "poll"
     sets = []
     i = 1
     while i < len(argv):
         a = argv[i]
         v = argv[i + 1] if i + 1 < len(argv) else None
         if v is None:
-            print("edgebroker: error: %s needs a value" % a, file=sys.stderr)
-            sys.exit(2)
+            _die("%s needs a value" % a)
         if a == "--board":
             board = v
         elif a == "--port":
-            port = int(v)
+            try:
+                port = int(v)
+            except ValueError:
+                port = -1
+            if not 0 < port < 65536:
+                _die("--port %s: allowed 1..65535" % v)
         elif a == "--bind":
             bind = v
         elif a == "--data-dir":
             data_dir = v
+        elif a == "--server":
+            if v not in ("poll", "async"):
+                _die("--server %s: allowed poll, async" % v)
+            server = v
         elif a == "--set":
             if "=" not in v:
-                print("edgebroker: error: --set needs key=value", file=sys.stderr)
-                sys.exit(2)
+                _die("--set needs key=value")
             sets.append(v)
         else:
-            print("edgebroker: error: unknown option %s" % a, file=sys.stderr)
-            sys.exit(2)
+            _die("unknown option %s" % a)
         i += 2
     profile = {}
     if board is not None:
-        with open(board) as f:
-            profile = json.load(f)
+        try:
+            with open(board) as f:
+                profile = json.load(f)
+        except (OSError, ValueError) as e:
+            _die("cannot read board profile %s: %s" % (board, e))
     for kv in sets:
         k, v = kv.split("=", 1)
         profile[k] = _parse_value(v)
-    cfg = limits(profile)
-    profile = None  # the board facts in it are the tools' business
-    clock = MonoClock()
-    if data_dir:
-        try:
-            os.mkdir(data_dir)
-        except OSError:
-            pass  # exists
-    lvl = _LEVELS.get(cfg["log_level"], 20)
+    try:
+        lvl = _LEVELS[profile.get("log_level", "info")]
+    except (KeyError, TypeError):
+        lvl = 20
 
     def log(level, text):
         if _LEVELS[level] >= lvl:
-            print("edgebroker: %s %s" % (level, text), file=sys.stderr)
-    # the store reports recovery (torn tail, corrupt records, moved aside)
-    store = open_store(cfg, data_dir, clock, _wallclock, log)
-    broker = Broker(cfg, store, clock)
+            print("%s edgebroker: %s %s" % (_stamp(), level, text), file=sys.stderr)
+    try:
+        broker = start(profile, bind, port, data_dir, log)
+    except ValueError as e:
+        _die("board profile: %s" % (e,))
+    except OSError as e:
+        why = "address in use" if e.args and e.args[0] in _EADDRINUSE else repr(e)
+        _die("cannot listen on %s:%d: %s" % (bind, port, why))
+    profile = None  # the board facts in it are the tools' business
     _install_signals()
-    broker.listen(bind, port)
     if _mem_alloc is not None:
         gc.collect()
         log("info", "heap after start: %d allocated, %d free" % (_mem_alloc(), _mem_free()))
-    print("edgebroker listening on %s:%d (%s)" % (bind, port, _IMPL))
+    print("edgebroker listening on %s:%d (%s, %s server)" % (bind, port, _IMPL, server))
     try:
         sys.stdout.flush()
     except AttributeError:
         pass
     try:
-        broker.serve()
+        if server == "async":
+            _asyncio().run(broker.serve_async())
+        else:
+            broker.serve()
     except KeyboardInterrupt:
         pass
     except MemoryError:
@@ -2220,8 +2908,12 @@ def main(argv):
         # shutdown cannot allocate. What was acknowledged is on flash already
         # (acks wait for commit), so stop here without more work.
         return
+    try:
+        broker.shutdown()  # no-op when the server already shut down
+    except KeyboardInterrupt:
+        pass
     gc.collect()
-    print("edgebroker: info stopped", file=sys.stderr)
+    log("info", "stopped")
 
 
 if __name__ == "__main__":
