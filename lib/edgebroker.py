@@ -260,6 +260,7 @@ _RC3_BAD_VERSION = const(1)
 _RC3_BAD_ID = const(2)
 _RC3_UNAVAILABLE = const(3)
 _RC3_BAD_AUTH = const(4)
+_RC3_NOT_AUTHORIZED = const(5)
 
 # Property identifiers (2.2.2.2) and their wire types
 _P_PAYLOAD_FORMAT = const(0x01)
@@ -320,6 +321,8 @@ DEFAULTS = {
     "max_topic_levels": 16,
     "max_inflight": 16,
     "max_queued": 64,
+    "max_queued_bytes": 1048576,
+    "max_user_properties": 64,
     "max_outbuf": 16384,
     "max_sessions": 32,
     "topic_alias_maximum": 10,
@@ -353,6 +356,7 @@ _RANGES = {
     "max_subscriptions": (1, 65535), "max_topic_length": (1, 65535),
     "max_topic_levels": (1, 65535), "max_inflight": (1, 65535),
     "max_queued": (1, 1000000), "max_outbuf": (256, 268435456),
+    "max_queued_bytes": (1024, 1073741824), "max_user_properties": (0, 65535),
     "max_sessions": (0, 1000000), "topic_alias_maximum": (0, 65535),
     "server_keep_alive": (0, 65535), "max_session_expiry": (0, 4294967295),
     "maximum_qos": (0, 2), "heap_reserve": (0, 1073741824),
@@ -510,16 +514,18 @@ def read_str(b, i, end):
     return check_utf8(raw), i
 
 
-def read_props(b, i, end):
+def read_props(b, i, end, maxu=65535):
     """Properties (2.2.2): returns (dict id -> value, raw forwardable bytes,
-    next index). User Properties collect in a list under P_USER; a repeated
-    property that may appear once is a Protocol Error."""
+    next index). User Properties collect in a list under P_USER, at most
+    maxu of them (max_user_properties: 0x83 past it); a repeated property
+    that may appear once is a Protocol Error. Linear in the packet's size."""
     plen, i = read_vbi(b, i, end)
     stop = i + plen
     if stop > end:
         raise MqttError(_RC_MALFORMED, "properties longer than the packet")
     props = {}
     fwd = None
+    nu = 0
     while i < stop:
         start = i
         pid = b[i]
@@ -548,6 +554,9 @@ def read_props(b, i, end):
             v, i = read_str(b, i, stop)
             v = (k, v)
         if pid == _P_USER:
+            nu += 1
+            if nu > maxu:
+                raise MqttError(_RC_IMPL_SPECIFIC, "more User Properties than max_user_properties")
             lst = props.get(_P_USER)
             if lst is None:
                 props[_P_USER] = [v]
@@ -558,8 +567,10 @@ def read_props(b, i, end):
         else:
             props[pid] = v
         if pid in _FORWARDED:
-            fwd = bytes(b[start:i]) if fwd is None else fwd + bytes(b[start:i])
-    return props, fwd or b"", stop
+            if fwd is None:
+                fwd = bytearray()
+            fwd.extend(b[start:i])
+    return props, bytes(fwd) if fwd else b"", stop
 
 
 # Local API properties by name (Broker.publish / subscribe callbacks).
@@ -1003,6 +1014,8 @@ class Session:
         self.subs = {}       # filter -> (options byte, subscription id)
         self.inflight = []   # [pid, msg, qos, retain, sids, released], send order
         self.queue = []      # [msg, qos, retain, sids], oldest first
+        self.qbytes = 0      # bytes of the queued messages (max_queued_bytes)
+        self.user = None     # the user name that made it: only that user resumes it
         self.rq = []         # pending retained deliveries: [iterator, opts, sid, filter, held msg]
         self.in2 = {}        # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
         self.pid = 0
@@ -1022,7 +1035,8 @@ class Conn:
         self.peer = peer      # "address:port", for logs and $SYS
         self.ver = 0
         self.sess = None
-        self.pend = None      # bytes of an incomplete packet
+        self.pend = None      # bytearray: an incomplete packet
+        self.need = 0         # its whole size, once its fixed header is in
         self.out = None       # bytearray waiting to be sent
         self.wait = None      # server state: poll flag or the async writer task
         self.task = None      # async server: the reader task
@@ -1080,6 +1094,7 @@ class Engine:
         self.n_out = 0
         self.n_dropped = 0
         self.app_errors = 0
+        self._heap = None     # (when, free, allocated): the last $SYS heap figures
         self.refusals = {}
         self._next_id = 0
         self._last_tick = 0
@@ -1090,6 +1105,7 @@ class Engine:
         self.max_outbuf = c["max_outbuf"]
         self.max_inflight = c["max_inflight"]
         self.max_queued = c["max_queued"]
+        self.max_user = c["max_user_properties"]
         # Connections that have not sent CONNECT yet hold a socket and a
         # buffer but no client slot: bounded to half of max_clients (at
         # least 2), the oldest dropped first when a new one arrives.
@@ -1171,16 +1187,36 @@ class Engine:
     def feed(self, conn, data, n):
         """Parses every complete packet in data[:n] (a memoryview) and keeps
         the incomplete tail. Oversize is refused from the fixed header, before
-        the body is read (MQTT-3.1.2-24 reverse direction: 0x95)."""
+        the body is read (MQTT-3.1.2-24 reverse direction: 0x95). A packet
+        whose header is known is collected in one buffer that grows by what
+        arrives: never copied again per read, so a large packet costs linear
+        time however it is split."""
         pend = conn.pend
         if pend is not None:
-            data = memoryview(pend + bytes(data[:n]))
-            n = len(data)
-            conn.pend = None
+            need = conn.need
+            if need:
+                take = need - len(pend)
+                if take > n:
+                    take = n
+                pend.extend(data[:take])
+                if len(pend) < need:
+                    return
+                conn.pend = None
+                conn.need = 0
+                j = 1
+                while pend[j] & 0x80:
+                    j += 1
+                self.handle(conn, pend[0], pend, j + 1, need)
+                if conn.closed or take == n:
+                    return
+                data = data[take:n]
+                n -= take
+            else:  # at most 4 bytes of a fixed header
+                data = memoryview(pend + bytes(data[:n]))
+                n = len(data)
+                conn.pend = None
         i = 0
         while i < n and not conn.closed:
-            if n - i < 2:
-                break
             # fixed header: type/flags byte + remaining length (1-4 bytes)
             rl = 0
             shift = 0
@@ -1197,18 +1233,20 @@ class Engine:
                 if shift > 21:
                     raise MqttError(_RC_MALFORMED, "remaining length over 4 bytes")
             if not ok:
-                break
-            if j - i + rl > self.max_packet:
+                conn.pend = bytearray(data[i:n])
+                return
+            size = j - i + rl
+            if size > self.max_packet:
                 raise MqttError(_RC_TOO_LARGE, "packet larger than Maximum Packet Size")
-            if conn.sess is None and j - i + rl > self.max_pre_bytes:
+            if conn.sess is None and size > self.max_pre_bytes:
                 # a CONNECT is small: bounded before the body is read
                 raise MqttError(_RC_TOO_LARGE, "CONNECT larger than the broker accepts")
             if j + rl > n:
-                break
+                conn.pend = bytearray(data[i:n])
+                conn.need = size
+                return
             self.handle(conn, data[i], data, j, j + rl)
             i = j + rl
-        if i < n and not conn.closed:
-            conn.pend = bytes(data[i:n])
 
     def handle(self, conn, first, b, i, end):
         ptype = first >> 4
@@ -1285,18 +1323,26 @@ class Engine:
             raise MqttError(_RC_MALFORMED, "password without user name")  # 3.1.1 MQTT-3.1.2-22
         props = {}
         if level == 5:
-            props, _, i = read_props(b, i, end)
+            props, _, i = read_props(b, i, end, self.max_user)
         cid, i = read_str(b, i, end)
         will = None
         if will_flag:
             wprops = {}
             wfwd = b""
             if level == 5:
-                wprops, wfwd, i = read_props(b, i, end)
+                wprops, wfwd, i = read_props(b, i, end, self.max_user)
             wtopic, i = read_str(b, i, end)
             wpayload, i = read_bin(b, i, end)
-            if not valid_topic_name(wtopic):
+            # A will is checked here exactly like a PUBLISH (MQTT-3.1.3-11
+            # and 3.3.2): a topic name within max_topic_length and
+            # max_topic_levels, never $SYS (refused below, once the
+            # protocol version is known).
+            if not valid_topic_name(wtopic) or len(wtopic.encode()) > self.cfg["max_topic_length"] \
+                    or wtopic.count("/") >= self.cfg["max_topic_levels"]:
                 raise MqttError(_RC_BAD_TOPIC, "invalid will topic")
+            rt = wprops.get(_P_RESPONSE_TOPIC)
+            if rt is not None and not valid_topic_name(rt):
+                raise MqttError(_RC_PROTOCOL, "wildcard in will Response Topic")
             exp = wprops.get(_P_MESSAGE_EXPIRY, 0)
             will = (wtopic, wpayload, will_qos, wfwd, exp,
                     bool(will_retain), wprops.get(_P_WILL_DELAY, 0))
@@ -1338,6 +1384,12 @@ class Engine:
             return self.connack_refuse(conn, _RC_BAD_AUTH, _RC3_BAD_AUTH,
                                        "auth", "bad user name or password")
         old = self.sessions.get(cid)
+        if old is not None and old.user != user:
+            # A session belongs to the user who made it: another user's
+            # CONNECT with its client id is refused, the session untouched
+            # (neither taken over nor resumed nor cleaned).
+            return self.connack_refuse(conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID,
+                                       "client_id_owner", "client id belongs to another user")
         takeover = old is not None and old.conn is not None
         if self.connected >= cfg["max_clients"] and not takeover:
             return self.connack_refuse(conn, _RC_QUOTA, _RC3_UNAVAILABLE,
@@ -1351,6 +1403,9 @@ class Engine:
             # MQTT-3.2.2-13: will retain without retain support -> 0x9A
             return self.connack_refuse(conn, _RC_RETAIN_UNSUPPORTED, _RC3_UNAVAILABLE,
                                        "retain_unavailable", "will retain not supported")
+        if will is not None and will[0][:4] == "$SYS":
+            return self.connack_refuse(conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED,
+                                       "sys_publish", "will topic in $SYS")
         if will is not None and will[2] > cfg["maximum_qos"]:
             return self.connack_refuse(conn, _RC_QOS_UNSUPPORTED, _RC3_UNAVAILABLE,
                                        "qos", "will QoS above Maximum QoS")
@@ -1377,6 +1432,7 @@ class Engine:
             self.cancel_will(sess)
         else:
             sess = self.new_session(cid, level)
+            sess.user = user
         sess.expiry = sexp
         sess.conn = conn
         conn.sess = sess
@@ -1414,12 +1470,19 @@ class Engine:
         self.log("info", "client %s connected from %s (MQTT %s, user %s, clean %d, keep alive %d)%s",
                  cid, conn.peer, "5.0" if v5 else "3.1.1", user or "-", 1 if clean else 0, ka,
                  ", session present" if present else "")
-        # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL
-        for ent in sess.inflight:
-            if ent[5]:
-                self.write(conn, bytes((0x62, 2)) + u16(ent[0]))
-            else:
-                self.encode_publish(conn, ent[1], ent[2], ent[3], ent[0], ent[4], True)
+        # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL. An
+        # entry that can no longer be sent (expired while the client was
+        # away, MQTT-3.3.2-5, or larger than its new Maximum Packet Size,
+        # MQTT-3.1.2-25) is released: it must not hold the window for good.
+        if sess.inflight:
+            keep = []
+            for ent in sess.inflight:
+                if ent[5]:
+                    self.write(conn, bytes((0x62, 2)) + u16(ent[0]))
+                    keep.append(ent)
+                elif self.encode_publish(conn, ent[1], ent[2], ent[3], ent[0], ent[4], True):
+                    keep.append(ent)
+            sess.inflight = keep
         self.pump(sess)
 
     def connack_refuse(self, conn, rc5, rc3, cause, text):
@@ -1479,6 +1542,7 @@ class Engine:
             self.tree.remove(f, sess)
         sess.subs = {}
         sess.queue = []
+        sess.qbytes = 0
         sess.inflight = []
         self.drop_rq(sess)
         if self.sessions.get(sess.cid) is sess:
@@ -1518,7 +1582,7 @@ class Engine:
         fwd = b""
         exp = 0
         if conn.ver == 5:
-            props, fwd, i = read_props(b, i, end)
+            props, fwd, i = read_props(b, i, end, self.max_user)
             if props:
                 if _P_SUB_ID in props:
                     raise MqttError(_RC_PROTOCOL, "Subscription Identifier from a client")
@@ -1721,12 +1785,15 @@ class Engine:
 
     def enqueue(self, sess, ent):
         q = sess.queue
-        if len(q) >= self.max_queued:
+        size = msg_size(ent[0])
+        cap = self.cfg["max_queued_bytes"]
+        while q and (len(q) >= self.max_queued or sess.qbytes + size > cap):
             # documented policy: the oldest queued message is dropped
-            q.pop(0)
+            sess.qbytes -= msg_size(q.pop(0)[0])
             self.n_dropped += 1
             self.refuse("queue_full", "session %s", sess.cid)
         q.append(ent)
+        sess.qbytes += size
 
     def send_inflight(self, sess, conn, msg, qos, retain, sids):
         pid = self.next_pid(sess)
@@ -1808,6 +1875,7 @@ class Engine:
         limit = self.max_outbuf
         while q and len(inflight) < conn.window and conn.out_len() <= limit:
             msg, qos, retain, sids = q.pop(0)
+            sess.qbytes -= msg_size(msg)
             self.send_inflight(sess, conn, msg, qos, retain, sids)
         rq = sess.rq
         while rq and conn.out_len() <= limit and not q:
@@ -1884,7 +1952,7 @@ class Engine:
         v5 = conn.ver == 5
         sid = 0
         if v5:
-            props, _, i = read_props(b, i, end)
+            props, _, i = read_props(b, i, end, self.max_user)
             sid = props.get(_P_SUB_ID, 0)
             if _P_SUB_ID in props and sid == 0:
                 raise MqttError(_RC_PROTOCOL, "Subscription Identifier 0")
@@ -1974,7 +2042,7 @@ class Engine:
             raise MqttError(_RC_PROTOCOL, "packet identifier 0")
         v5 = conn.ver == 5
         if v5:
-            _, _, i = read_props(b, i, end)
+            _, _, i = read_props(b, i, end, self.max_user)
         if i >= end:
             raise MqttError(_RC_PROTOCOL, "UNSUBSCRIBE with no filters")  # MQTT-3.10.3-2
         sess = conn.sess
@@ -2000,7 +2068,7 @@ class Engine:
             rc = b[i]
             i += 1
             if i < end:
-                props, _, i = read_props(b, i, end)
+                props, _, i = read_props(b, i, end, self.max_user)
                 se = props.get(_P_SESSION_EXPIRY)
                 if se is not None:
                     if conn.sess.expiry == 0 and se:
@@ -2312,7 +2380,7 @@ class Engine:
             elif sess.queue and sess.conn is None:
                 q = sess.queue
                 while q and q[0][0][_M_EXP] and q[0][0][_M_EXP] <= now:
-                    q.pop(0)
+                    sess.qbytes -= msg_size(q.pop(0)[0])
         if self.store.expire(now, 64) and self.store.durable:
             self.sdirty = True
         si = self.cfg["sys_interval"]
@@ -2332,6 +2400,22 @@ class Engine:
         for m in self.sys_msgs():
             self.publish(m, 1, None)
 
+    def clients_list(self):
+        """One line per connected client: "client id address user", at most
+        2 KB (then "..." ends the list)."""
+        out = []
+        n = 0
+        for c in self.conns:
+            if c.sess is None:
+                continue
+            line = "%s %s %s" % (c.cid, c.peer, c.user or "-")
+            n += len(line) + 1
+            if n > 2048:
+                out.append("...")
+                break
+            out.append(line)
+        return "\n".join(out)
+
     def sys_msgs(self):
         st = self.store
         vals = [
@@ -2343,13 +2427,20 @@ class Engine:
             ("messages/dropped", self.n_dropped),
             ("retained/count", st.count),
             ("retained/bytes", st.nbytes),
+            ("app/errors", self.app_errors),
+            ("clients/list", self.clients_list()),
         ]
         for cause in self.refusals:
             vals.append(("refusals/" + cause, self.refusals[cause]))
         if _mem_free is not None:
-            gc.collect()  # a calm point: once per sys_interval
-            vals.append(("heap/free", _mem_free()))
-            vals.append(("heap/alloc", _mem_alloc()))
+            # A collection walks the whole heap: at most one per
+            # sys_interval (and per 5 s), however many $SYS SUBSCRIBEs come
+            h = self._heap
+            if h is None or self.now_s - h[0] >= max(5, self.cfg["sys_interval"]):
+                gc.collect()  # a calm point
+                h = self._heap = (self.now_s, _mem_free(), _mem_alloc())
+            vals.append(("heap/free", h[1]))
+            vals.append(("heap/alloc", h[2]))
         for name, v in vals:
             yield self.make_msg("$SYS/broker/" + name, str(v).encode(), 0, b"", 0)
 
