@@ -18,6 +18,7 @@ from mqtt_helpers import (
     CONNACK,
     DISCONNECT,
     RawClient,
+    board_heap_64,
     connect_packet,
     disconnect_packet,
     packet,
@@ -354,7 +355,7 @@ def test_esp32_profile_max_clients_at_once(broker_factory, interp, tmp_path):
 
 def _esp32_max_clients(broker_factory, interp, script):
     prof = _esp32_profile()
-    heap = prof.get("heap_bytes") if interp == "micropython" else None
+    heap = board_heap_64(prof) if interp == "micropython" else None
     b = broker_factory(heap=heap, board="boards/esp32.json", script=script)
     n = int(prof.get("max_clients", 8)) if not b.is_mosquitto else 8
     clients = []

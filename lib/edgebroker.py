@@ -1036,7 +1036,7 @@ class Conn:
         self.ver = 0
         self.sess = None
         self.pend = None      # bytearray: an incomplete packet
-        self.need = 0         # its whole size, once its fixed header is in
+        self.need = 0         # bytes it still lacks, once its fixed header is in
         self.out = None       # bytearray waiting to be sent
         self.wait = None      # server state: poll flag or the async writer task
         self.task = None      # async server: the reader task
@@ -1195,18 +1195,19 @@ class Engine:
         if pend is not None:
             need = conn.need
             if need:
-                take = need - len(pend)
-                if take > n:
-                    take = n
-                pend.extend(data[:take])
-                if len(pend) < need:
+                # the packet's buffer was allocated whole: fill what is missing
+                size = len(pend)
+                take = need if need < n else n
+                pend[size - need:size - need + take] = data[:take]
+                need -= take
+                conn.need = need
+                if need:
                     return
                 conn.pend = None
-                conn.need = 0
                 j = 1
                 while pend[j] & 0x80:
                     j += 1
-                self.handle(conn, pend[0], pend, j + 1, need)
+                self.handle(conn, pend[0], pend, j + 1, size)
                 if conn.closed or take == n:
                     return
                 data = data[take:n]
@@ -1239,11 +1240,17 @@ class Engine:
             if size > self.max_packet:
                 raise MqttError(_RC_TOO_LARGE, "packet larger than Maximum Packet Size")
             if conn.sess is None and size > self.max_pre_bytes:
-                # a CONNECT is small: bounded before the body is read
+                # A CONNECT is small: bounded before the body is read. A 5.0
+                # client is told with CONNACK 0x95 (its level byte is at
+                # offset 6 of the variable header).
+                if n > j + 6 and data[i] == 0x10 and data[j + 6] == 5:
+                    conn.ver = 5
                 raise MqttError(_RC_TOO_LARGE, "CONNECT larger than the broker accepts")
             if j + rl > n:
-                conn.pend = bytearray(data[i:n])
-                conn.need = size
+                # one buffer for the whole packet, filled as bytes arrive
+                pend = conn.pend = bytearray(size)
+                pend[0:n - i] = data[i:n]
+                conn.need = size - (n - i)
                 return
             self.handle(conn, data[i], data, j, j + rl)
             i = j + rl
