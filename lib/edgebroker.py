@@ -166,7 +166,20 @@ def _asyncio():
     if core is not None and hasattr(core, "_io_queue"):  # MicroPython
         def _wait(sock, write):
             q = core._io_queue  # looked up each time: new_event_loop() replaces it
-            yield (q.queue_write if write else q.queue_read)(sock)
+            try:
+                (q.queue_write if write else q.queue_read)(sock)
+            except MemoryError:
+                # select.poll.register adds its map entry before it allocates:
+                # a MemoryError leaves an empty entry that the next poll (or
+                # unregister) dereferences: SIGSEGV in poll_poll_internal
+                # (modselect.c says "This case is not handled"). The poller
+                # is never touched again: a new one gets every other socket.
+                e = q.map.get(id(sock))
+                if e is not None and e[1 - write] is None:
+                    del q.map[id(sock)]
+                q.poller = _repoll(q.map.values())
+                raise
+            yield
 
         def _forget(sock):
             pass
@@ -208,6 +221,17 @@ def _asyncio():
 
 def _current():
     return _aio.current_task()
+
+
+def _repoll(entries):
+    """A new select.poll for [read waiter, write waiter, socket] entries,
+    after a MemoryError left the old one with a half-made entry."""
+    gc.collect()
+    p = select.poll()
+    for e in entries:
+        p.register(e[2], (select.POLLIN if e[0] is not None else 0)
+                   | (select.POLLOUT if e[1] is not None else 0))
+    return p
 
 # ------------------------------------------------------------- 2. constants
 VERSION = "0.1.0"
@@ -2685,10 +2709,22 @@ class Broker:
     def _watch(self, conn):
         if self._async:
             conn.task = _asyncio().create_task(self._reader(conn))
-        else:
-            k = _key(conn.io)
+            return
+        try:
             self.poller.register(conn.io, select.POLLIN)
-            self.socks[k] = conn
+        except MemoryError:
+            # the old poller holds a half-made entry (see _repoll): replaced
+            self._new_poller()
+            raise
+        self.socks[_key(conn.io)] = conn
+
+    def _new_poller(self):
+        ent = []
+        if not self._pause:
+            ent.append((1, None, self.lsock))
+        for c in self.socks.values():
+            ent.append((1, 1 if c.wait else None, c.io))
+        self.poller = _repoll(ent)
 
     def _want_write(self, conn, want):
         if self._async:
@@ -2713,8 +2749,7 @@ class Broker:
                     t.cancel()
             conn.wait = None
             _io_forget(s)
-        else:
-            self.socks.pop(_key(s), None)
+        elif self.socks.pop(_key(s), None) is not None:
             try:
                 self.poller.unregister(s)
             except (OSError, ValueError, KeyError):
@@ -2725,9 +2760,9 @@ class Broker:
     def serve(self, on_tick=None):
         """The poll server: runs until stop() or KeyboardInterrupt. on_tick,
         if given, is called about once a second."""
-        self.poller = poller = select.poll()
+        self.poller = select.poll()
         lsock = self.lsock
-        poller.register(lsock, select.POLLIN)
+        self.poller.register(lsock, select.POLLIN)
         lkey = _key(lsock)
         socks = self.socks
         eng = self.engine
@@ -2735,13 +2770,16 @@ class Broker:
         paused = False
         try:
             while self.running:
-                for ev in _poll(poller, 200 if eng.idle() else 0):
+                for ev in _poll(self.poller, 200 if eng.idle() else 0):
                     k = ev[0]
                     if k == lkey:
                         self._accept()
-                        if self._pause:
-                            poller.unregister(lsock)
+                        if self._pause and not paused:
                             paused = True
+                            try:
+                                self.poller.unregister(lsock)
+                            except (OSError, ValueError, KeyError):
+                                pass  # a new poller (_new_poller) left it out
                         continue
                     conn = socks.get(k)
                     if conn is None or conn.closed:
@@ -2756,7 +2794,7 @@ class Broker:
                 if paused and now >= self._pause:
                     self._pause = 0
                     paused = False
-                    poller.register(lsock, select.POLLIN)
+                    self.poller.register(lsock, select.POLLIN)
                 if on_tick is not None and now - last >= 1:
                     last = now
                     on_tick(self)
