@@ -793,6 +793,34 @@ _M_EXP = const(5)
 _M_OWNEXP = const(6)
 
 
+# The records below are lists (mutable, smaller than instances on
+# MicroPython: no per-object attribute dict), read through named slots.
+# An in-flight entry (Session.inflight), in send order:
+_F_PID = const(0)     # packet identifier
+_F_MSG = const(1)     # the message (None once PUBREC came: only PUBREL is left)
+_F_QOS = const(2)
+_F_RETAIN = const(3)  # RETAIN flag as sent
+_F_SIDS = const(4)    # Subscription Identifiers or None
+_F_REL = const(5)     # True once PUBREL was sent (QoS 2, second half)
+# A queued entry (Session.queue), oldest first: [msg, qos, retain, sids]
+_Q_MSG = const(0)
+# A pending retained delivery (Session.rq):
+_R_IT = const(0)      # iterator over the store's matches
+_R_OPTS = const(1)    # subscription options byte
+_R_SID = const(2)     # Subscription Identifier or 0
+_R_FILT = const(3)    # the filter (UNSUBSCRIBE ends its delivery)
+_R_HELD = const(4)    # a message taken from the iterator, waiting for the window
+# A delayed will (Engine.wills):
+_W_AT = const(0)      # broker second it is due
+_W_SESS = const(1)
+_W_MSG = const(2)
+_W_RETAIN = const(3)
+# A matched route while one PUBLISH is routed (Engine.publish):
+_MR_QOS = const(0)    # highest granted QoS over the session's matching filters
+_MR_RAP = const(1)    # Retain As Published on any of them
+_MR_SIDS = const(2)   # their Subscription Identifiers or None
+
+
 def msg_size(m):
     return len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
 
@@ -1109,6 +1137,11 @@ class Engine:
         self.busy = []        # sessions with deliveries that can go on now
         self.deferred = []    # connections with acks waiting for commit()
         self.localq = []      # [session, msg, retain]: local callbacks to run at turn()
+        # Durable sinks: objects with put(msg, retain, origin) -> True if they
+        # took it, a `durable` flag and commit() (raises OSError on failure).
+        # A bridge's store-and-forward queue is one. commit() commits them
+        # with the store, before the acknowledgements that waited leave.
+        self.sinks = []
         self.sdirty = False   # the store changed since the last commit()
         self._puts = 0        # new retained topics, to pace the heap check
         self.wills = []       # [deadline, session, msg, retain] delayed wills
@@ -1508,10 +1541,10 @@ class Engine:
         if sess.inflight:
             keep = []
             for ent in sess.inflight:
-                if ent[5]:
-                    self.write(conn, bytes((0x62, 2)) + u16(ent[0]))
+                if ent[_F_REL]:
+                    self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
                     keep.append(ent)
-                elif self.encode_publish(conn, ent[1], ent[2], ent[3], ent[0], ent[4], True):
+                elif self.encode_publish(conn, ent[_F_MSG], ent[_F_QOS], ent[_F_RETAIN], ent[_F_PID], ent[_F_SIDS], True):
                     keep.append(ent)
             sess.inflight = keep
         self.pump(sess)
@@ -1579,14 +1612,14 @@ class Engine:
         if self.sessions.get(sess.cid) is sess:
             del self.sessions[sess.cid]
         for w in self.wills:
-            if w[1] is sess:
+            if w[_W_SESS] is sess:
                 self.wills.remove(w)
-                self.publish(w[2], w[3], None)
+                self.publish(w[_W_MSG], w[_W_RETAIN], None)
                 break
 
     def cancel_will(self, sess):
         for w in self.wills:
-            if w[1] is sess:
+            if w[_W_SESS] is sess:
                 self.wills.remove(w)
                 return
 
@@ -1687,6 +1720,13 @@ class Engine:
         wait = False
         if retain:
             wait = self.retain(msg)
+        if self.sinks:
+            # durable sinks (a bridge's flash queue) take the message before
+            # any acknowledgement of it leaves: the ack waits for commit()
+            for k in self.sinks:
+                if k.put(msg, retain, origin) and k.durable:
+                    wait = True
+                    self.sdirty = True
         topic = msg[_M_TOPIC]
         levels = topic.split("/")
         matched = None
@@ -1701,14 +1741,14 @@ class Engine:
                 if cur is None:
                     matched[sess] = [opts & 3, opts & 8, [sid] if sid else None]
                 else:
-                    if opts & 3 > cur[0]:
-                        cur[0] = opts & 3
-                    cur[1] |= opts & 8
+                    if opts & 3 > cur[_MR_QOS]:
+                        cur[_MR_QOS] = opts & 3
+                    cur[_MR_RAP] |= opts & 8
                     if sid:
-                        if cur[2] is None:
-                            cur[2] = [sid]
+                        if cur[_MR_SIDS] is None:
+                            cur[_MR_SIDS] = [sid]
                         else:
-                            cur[2].append(sid)
+                            cur[_MR_SIDS].append(sid)
         if matched is not None:
             # MQTT-3.3.4-2: one copy per session at the highest granted QoS,
             # carrying every matching Subscription Identifier (MQTT-3.3.4-3)
@@ -1760,7 +1800,7 @@ class Engine:
         if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg
-            msg = (m[0], m[1], m[2], m[3], m[4], self.now_s + cfg["expiry_interval"], 0)
+            msg = (m[_M_TOPIC], m[_M_TB], m[_M_PAYLOAD], m[_M_QOS], m[_M_PROPS], self.now_s + cfg["expiry_interval"], 0)
         if old is None and _mem_free is not None:
             # The heap reserve is for connections. gc.mem_free() walks the
             # whole allocation table (about 1 ms on a 16 MB heap), so it is
@@ -1816,11 +1856,11 @@ class Engine:
 
     def enqueue(self, sess, ent):
         q = sess.queue
-        size = msg_size(ent[0])
+        size = msg_size(ent[_Q_MSG])
         cap = self.cfg["max_queued_bytes"]
         while q and (len(q) >= self.max_queued or sess.qbytes + size > cap):
             # documented policy: the oldest queued message is dropped
-            sess.qbytes -= msg_size(q.pop(0)[0])
+            sess.qbytes -= msg_size(q.pop(0)[_Q_MSG])
             self.n_dropped += 1
             self.refuse("queue_full", "session %s", sess.cid)
         q.append(ent)
@@ -1838,7 +1878,7 @@ class Engine:
         while True:
             pid = pid + 1 if pid < 65535 else 1
             for e in inflight:
-                if e[0] == pid:
+                if e[_F_PID] == pid:
                     break
             else:
                 sess.pid = pid
@@ -1911,27 +1951,27 @@ class Engine:
         rq = sess.rq
         while rq and conn.out_len() <= limit and not q:
             ent = rq[0]
-            m = ent[4]
+            m = ent[_R_HELD]
             if m is None:
                 try:
-                    m = next(ent[0])
+                    m = next(ent[_R_IT])
                 except StopIteration:
-                    rq.pop(0)[0].close()
+                    rq.pop(0)[_R_IT].close()
                     continue
                 if m[_M_EXP] and m[_M_EXP] <= self.now_s:
                     continue  # its lifetime has passed (E1)
-            qos = m[_M_QOS] if m[_M_QOS] < ent[1] & 3 else ent[1] & 3
-            sids = [ent[2]] if ent[2] else None
+            qos = m[_M_QOS] if m[_M_QOS] < ent[_R_OPTS] & 3 else ent[_R_OPTS] & 3
+            sids = [ent[_R_SID]] if ent[_R_SID] else None
             if qos:
                 if len(inflight) >= conn.window:
                     # waits here for the window, outside the bounded queue,
                     # so live traffic can never push it out (D9)
-                    ent[4] = m
+                    ent[_R_HELD] = m
                     return
                 self.send_inflight(sess, conn, m, qos, 1, sids)
             else:
                 self.encode_publish(conn, m, 0, 1, 0, sids, False)
-            ent[4] = None
+            ent[_R_HELD] = None
         # with rq left, delivery resumes when flush() has drained the buffer
 
     def on_ack(self, conn, ptype, b, i, end):
@@ -1948,7 +1988,7 @@ class Engine:
         inflight = sess.inflight
         for k in range(len(inflight)):
             e = inflight[k]
-            if e[0] == pid:
+            if e[_F_PID] == pid:
                 break
         else:
             if ptype == _PUBREC:
@@ -1956,21 +1996,21 @@ class Engine:
                            + (bytes((_RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""))
             return
         if ptype == _PUBACK:
-            if e[2] != 1:
+            if e[_F_QOS] != 1:
                 raise MqttError(_RC_PROTOCOL, "PUBACK for a QoS 2 message")
             inflight.pop(k)
         elif ptype == _PUBREC:
-            if e[2] != 2:
+            if e[_F_QOS] != 2:
                 raise MqttError(_RC_PROTOCOL, "PUBREC for a QoS 1 message")
             if rc >= 0x80:
                 inflight.pop(k)  # 4.3.3: an error PUBREC ends the exchange
             else:
-                e[5] = True
-                e[1] = None  # the message itself is no longer needed
+                e[_F_REL] = True
+                e[_F_MSG] = None  # the message itself is no longer needed
                 self.write(conn, bytes((0x62, 2)) + u16(pid))
                 return
         else:  # PUBCOMP
-            if not e[5]:
+            if not e[_F_REL]:
                 raise MqttError(_RC_PROTOCOL, "PUBCOMP before PUBREL")
             inflight.pop(k)
         self.pump(sess)
@@ -2056,8 +2096,8 @@ class Engine:
         """Ends pending retained deliveries: all of them, or one filter's."""
         keep = []
         for ent in sess.rq:
-            if filt is None or ent[3] == filt:
-                ent[0].close()
+            if filt is None or ent[_R_FILT] == filt:
+                ent[_R_IT].close()
             else:
                 keep.append(ent)
         sess.rq = keep
@@ -2248,6 +2288,8 @@ class Engine:
             self.sdirty = False
             try:
                 self.store.commit()
+                for k in self.sinks:
+                    k.commit()
             except (OSError, MemoryError) as err:
                 self.store_failed(err)
                 ok = False
@@ -2359,9 +2401,9 @@ class Engine:
         while rq and n < 32:
             ent = rq[0]
             try:
-                m = next(ent[0])
+                m = next(ent[_R_IT])
             except StopIteration:
-                rq.pop(0)[0].close()
+                rq.pop(0)[_R_IT].close()
                 continue
             self.call_local(sess, m, 1)
             n += 1
@@ -2402,16 +2444,16 @@ class Engine:
                 self.disconnect(conn, _RC_KEEPALIVE, "keep alive timeout")
         if self.wills:
             for w in list(self.wills):
-                if w[0] <= now:
+                if w[_W_AT] <= now:
                     self.wills.remove(w)
-                    self.publish(w[2], w[3], None)
+                    self.publish(w[_W_MSG], w[_W_RETAIN], None)
         for sess in list(self.sessions.values()):
             if sess.conn is None and sess.expiry != 0xFFFFFFFF and now - sess.gone >= sess.expiry:
                 self.end_session(sess)
             elif sess.queue and sess.conn is None:
                 q = sess.queue
-                while q and q[0][0][_M_EXP] and q[0][0][_M_EXP] <= now:
-                    sess.qbytes -= msg_size(q.pop(0)[0])
+                while q and q[0][_Q_MSG][_M_EXP] and q[0][_Q_MSG][_M_EXP] <= now:
+                    sess.qbytes -= msg_size(q.pop(0)[_Q_MSG])
         if self.store.expire(now, 64) and self.store.durable:
             self.sdirty = True
         si = self.cfg["sys_interval"]
