@@ -369,6 +369,7 @@ DEFAULTS = {
     "io_chunk": 4096,
     "connect_timeout": 10,
     "log_level": "info",
+    "bridges": [],
 }
 
 
@@ -420,6 +421,9 @@ def _checked(k, v):
     elif isinstance(d, dict):
         if not isinstance(v, dict):
             raise ValueError("%s: %r is not an object" % (k, v))
+    elif isinstance(d, list):
+        if not isinstance(v, list):
+            raise ValueError("%s: %r is not a list" % (k, v))
     elif r is not None and v not in r:
         raise ValueError("%s: %r (allowed %s)" % (k, v, ", ".join(r)))
     elif not isinstance(v, str):
@@ -2546,6 +2550,9 @@ class Broker:
         self.port = 0
         self._async = False
         self._wake = None     # async server: set when the engine has work
+        # Coroutine functions serve_async() runs as tasks beside the server
+        # and cancels when it stops (a bridge's upstream link is one).
+        self.extras = []
         self._pause = 0       # accept paused until this broker second
 
     def log(self, level, fmt, *args):
@@ -2855,6 +2862,7 @@ class Broker:
         eng = self.engine
         acc = aio.create_task(self._acceptor())
         tick = aio.create_task(self._ticker())
+        extra = [aio.create_task(f()) for f in self.extras]
         try:
             while self.running:
                 await wake.wait()
@@ -2867,6 +2875,8 @@ class Broker:
         finally:
             acc.cancel()
             tick.cancel()
+            for t in extra:
+                t.cancel()
             self.shutdown()
 
     async def _acceptor(self):
@@ -2975,6 +2985,10 @@ def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
     except OSError:
         store.close()
         raise
+    if cfg["bridges"]:
+        # a separate module, loaded only by profiles that bridge
+        import edgebridge
+        edgebridge.attach(b, cfg["bridges"], data_dir)
     return b
 
 
