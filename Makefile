@@ -14,8 +14,8 @@ venv:  ## .venv with pinned deps + editable tools, mosquitto (no-op when done)
 run: venv  ## broker in the foreground: make run [BOARD=...] [PORT=...] [INTERP=micropython]
 	exec $(VENV)/bin/edgebroker run --board $(BOARD) --port $(PORT) --interpreter $(INTERP)
 
-test: venv  ## host tests, both interpreters (fails on "no tests collected" too)
-	$(VENV)/bin/pytest -p no:cacheprovider host_tests
+test: venv  ## host tests, both interpreters and both servers, 4 workers by file (fails on "no tests collected" too)
+	$(VENV)/bin/pytest -p no:cacheprovider -n 4 --dist loadfile host_tests
 
 bench: venv  ## benchmarks (all scenarios, the flash-store ones included; under ~8 minutes)
 	$(VENV)/bin/python -m edgebroker_tools.bench
