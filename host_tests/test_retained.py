@@ -431,7 +431,10 @@ def test_wildcard_filters_do_not_return_dollar_retained_D6_MQTT_4_7_2_1(broker_f
     assert retained_of(b.port, "+/broker/#") == []
     assert tpr(retained_of(b.port, "$app/#")) == [("$app/x", b"dollar", True)]
     sys_msgs = retained_of(b.port, "$SYS/#")
-    assert sys_msgs and all(m.retain and m.topic.startswith("$SYS/") for m in sys_msgs)
+    # the retained $SYS set, then possibly a live sys_interval update
+    # (RETAIN 0 when forwarded live, MQTT-3.3.1-9): all of it under $SYS
+    assert any(m.retain for m in sys_msgs)
+    assert all(m.topic.startswith("$SYS/") for m in sys_msgs)
     pub.disconnect()
 
 

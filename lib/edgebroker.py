@@ -1060,23 +1060,28 @@ class Session:
     """What outlives a connection (4.1): subscriptions, outbound messages not
     yet acknowledged, the offline queue, inbound QoS 2 packet ids. A local
     subscription (Broker.subscribe) is a Session with a callback `cb` and no
-    connection: routing treats it like any other subscriber."""
+    connection: routing treats it like any other subscriber.
 
-    def __init__(self, cid, ver):
+    Heap: the class holds every default, so an instance stores only what
+    differs (a MicroPython instance keeps its attributes in a hash table
+    sized to their number), and the collections start as the shared empty
+    tuple until the first item arrives (Engine.grow)."""
+
+    conn = None
+    cb = None          # local subscription: callback(topic, payload, retained, properties)
+    subs = ()          # filter -> (options byte, subscription id)
+    inflight = ()      # in-flight entries (_F_*), send order
+    queue = ()         # queued entries (_Q_*), oldest first
+    qbytes = 0         # bytes of the queued messages (max_queued_bytes)
+    user = None        # the user name that made it: only that user resumes it
+    rq = ()            # pending retained deliveries (_R_*)
+    in2 = ()           # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
+    pid = 0            # last packet identifier used
+    expiry = 0         # Session Expiry Interval, seconds
+    gone = 0           # broker seconds when the last connection closed
+
+    def __init__(self, cid):
         self.cid = cid
-        self.ver = ver
-        self.conn = None
-        self.cb = None       # local subscription: callback(topic, payload, retained, properties)
-        self.subs = {}       # filter -> (options byte, subscription id)
-        self.inflight = []   # [pid, msg, qos, retain, sids, released], send order
-        self.queue = []      # [msg, qos, retain, sids], oldest first
-        self.qbytes = 0      # bytes of the queued messages (max_queued_bytes)
-        self.user = None     # the user name that made it: only that user resumes it
-        self.rq = []         # pending retained deliveries: [iterator, opts, sid, filter, held msg]
-        self.in2 = {}        # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
-        self.pid = 0
-        self.expiry = 0      # Session Expiry Interval, seconds
-        self.gone = 0        # broker seconds when the last connection closed
 
 
 class Conn:
@@ -1084,29 +1089,29 @@ class Conn:
     CONNECT is accepted. `io` belongs to the server that moves its bytes (a
     socket); the engine never touches it. `out` holds what to send; `closed`
     says the engine ended it (the server then sends what is left of `out`
-    and releases `io`)."""
+    and releases `io`). Defaults live in the class (see Session)."""
+
+    ver = 0
+    sess = None
+    pend = None        # bytearray: an incomplete packet
+    need = 0           # bytes it still lacks, once its fixed header is in
+    out = None         # bytearray waiting to be sent
+    wait = None        # server state: poll flag or the async writer task
+    task = None        # async server: the reader task
+    ka = 0             # keep alive in seconds (0 = off)
+    will = None        # (msg, retain, delay seconds)
+    maxpkt = _NO_LIMIT_PACKET
+    window = 0         # outbound inflight window
+    aliases = None     # inbound Topic Alias -> topic name
+    problem = True     # Request Problem Information
+    defer = None       # acks waiting for a durable store commit
+    closed = False
+    cid = ""
 
     def __init__(self, io, now, peer):
         self.io = io
-        self.peer = peer      # "address:port", for logs and $SYS
-        self.ver = 0
-        self.sess = None
-        self.pend = None      # bytearray: an incomplete packet
-        self.need = 0         # bytes it still lacks, once its fixed header is in
-        self.out = None       # bytearray waiting to be sent
-        self.wait = None      # server state: poll flag or the async writer task
-        self.task = None      # async server: the reader task
-        self.ka = 0           # keep alive in seconds (0 = off)
-        self.last = now       # broker seconds of the last packet received (also: opened)
-        self.will = None      # (msg, retain, delay seconds)
-        self.maxpkt = _NO_LIMIT_PACKET
-        self.window = 0       # outbound inflight window
-        self.aliases = None   # inbound Topic Alias -> topic name
-        self.problem = True   # Request Problem Information
-        self.defer = None     # acks waiting for a durable store commit
-        self.closed = False
-        self.cid = ""
-        self.user = None
+        self.peer = peer   # "address:port", for logs and $SYS
+        self.last = now    # broker seconds of the last packet received (also: opened)
 
     def out_len(self):
         o = self.out
@@ -1428,9 +1433,11 @@ class Engine:
             mp = props.get(_P_MAX_PACKET, _NO_LIMIT_PACKET)
             if rm == 0 or mp == 0:
                 raise MqttError(_RC_PROTOCOL, "zero Receive Maximum or Maximum Packet Size")
-            conn.maxpkt = mp
+            if mp != _NO_LIMIT_PACKET:
+                conn.maxpkt = mp
             conn.window = min(rm, self.max_inflight)
-            conn.problem = props.get(_P_REQ_PROBLEM, 1) == 1
+            if props.get(_P_REQ_PROBLEM, 1) != 1:
+                conn.problem = False
         else:
             conn.window = self.max_inflight
         cfg = self.cfg
@@ -1495,17 +1502,16 @@ class Engine:
             old = None
         if old is not None:
             sess = old
-            sess.ver = level
             present = True
             self.cancel_will(sess)
         else:
-            sess = self.new_session(cid, level)
-            sess.user = user
+            sess = self.new_session(cid)
+            if user is not None:
+                sess.user = user
         sess.expiry = sexp
         sess.conn = conn
         conn.sess = sess
         conn.cid = cid
-        conn.user = user
         self.pre -= 1
         self.connected += 1
         if v5 and cfg["server_keep_alive"]:
@@ -1584,8 +1590,8 @@ class Engine:
         self._next_id += 1
         return "edgebroker-%d-%d" % (self._next_id, int(self.now_s * 1000) & 0xFFFF)
 
-    def new_session(self, cid, ver):
-        s = Session(cid, ver)
+    def new_session(self, cid):
+        s = Session(cid)
         self.sessions[cid] = s
         return s
 
@@ -1608,10 +1614,10 @@ class Engine:
         waiting for its delay is published now (3.1.2.5)."""
         for f in sess.subs:
             self.tree.remove(f, sess)
-        sess.subs = {}
-        sess.queue = []
+        sess.subs = ()
+        sess.queue = ()
         sess.qbytes = 0
-        sess.inflight = []
+        sess.inflight = ()
         self.drop_rq(sess)
         if self.sessions.get(sess.cid) is sess:
             del self.sessions[sess.cid]
@@ -1685,6 +1691,8 @@ class Engine:
             return
         if qos == 2:
             in2 = sess.in2
+            if type(in2) is tuple:
+                in2 = sess.in2 = {}
             if pid in in2:
                 # MQTT-4.3.3-10: a resent PUBLISH (DUP) before PUBREL is not
                 # delivered again; answer with PUBREC once more
@@ -1867,6 +1875,8 @@ class Engine:
             sess.qbytes -= msg_size(q.pop(0)[_Q_MSG])
             self.n_dropped += 1
             self.refuse("queue_full", "session %s", sess.cid)
+        if type(q) is tuple:
+            q = sess.queue = []
         q.append(ent)
         sess.qbytes += size
 
@@ -1874,6 +1884,8 @@ class Engine:
         pid = self.next_pid(sess)
         if not self.encode_publish(conn, msg, qos, retain, pid, sids, False):
             return  # too large for the client or expired: treated as done
+        if type(sess.inflight) is tuple:
+            sess.inflight = []
         sess.inflight.append([pid, msg, qos, retain, sids, False])
 
     def next_pid(self, sess):
@@ -1946,6 +1958,8 @@ class Engine:
         if conn is None or conn.closed:
             return
         q = sess.queue
+        if type(sess.inflight) is tuple and (q or sess.rq):
+            sess.inflight = []  # grown here, so the name below stays the list
         inflight = sess.inflight
         limit = self.max_outbuf
         while q and len(inflight) < conn.window and conn.out_len() <= limit:
@@ -1984,7 +1998,11 @@ class Engine:
         sess = conn.sess
         if ptype == _PUBREL:
             # MQTT-4.3.3-11: release the packet id, answer PUBCOMP
-            if sess.in2.pop(pid, None) is None and conn.ver == 5:
+            in2 = sess.in2
+            if pid in in2:
+                del in2[pid]
+                self.write(conn, bytes((0x70, 2)) + u16(pid))
+            elif conn.ver == 5:
                 self.write(conn, bytes((0x70, 3)) + u16(pid) + bytes((_RC_PID_NOT_FOUND,)))
             else:
                 self.write(conn, bytes((0x70, 2)) + u16(pid))
@@ -2061,6 +2079,8 @@ class Engine:
                 codes.append(_RC_BAD_FILTER if v5 else 0x80)
                 why = "invalid topic filter"
                 continue
+            if type(sess.subs) is tuple:
+                sess.subs = {}
             existed = filt in sess.subs
             if not existed and len(sess.subs) >= cfg["max_subscriptions"]:
                 self.refuse("max_subscriptions", "client %s", conn.cid)
@@ -2092,12 +2112,16 @@ class Engine:
                 it = self.store.match(flevels)
             # a repeated filter restarts its delivery (D5): no duplicates
             self.drop_rq(sess, filt)
+            if type(sess.rq) is tuple:
+                sess.rq = []
             sess.rq.append([it, opts, sid, filt, None])
         if todo:
             self.pump(sess)
 
     def drop_rq(self, sess, filt=None):
         """Ends pending retained deliveries: all of them, or one filter's."""
+        if not sess.rq:
+            return
         keep = []
         for ent in sess.rq:
             if filt is None or ent[_R_FILT] == filt:
@@ -2124,7 +2148,8 @@ class Engine:
         codes = bytearray()
         while i < end:
             filt, i = read_str(b, i, end)
-            if sess.subs.pop(filt, None) is not None:
+            if filt in sess.subs:
+                del sess.subs[filt]
                 self.tree.remove(filt, sess)
                 # MQTT-3.10.4-2: no new messages for it, retained included
                 self.drop_rq(sess, filt)
@@ -2353,22 +2378,22 @@ class Engine:
         if qos not in (0, 1, 2):
             raise ValueError("qos: %r (allowed 0, 1, 2)" % (qos,))
         self._next_id += 1
-        sess = Session("$local-%d" % self._next_id, 5)
+        sess = Session("$local-%d" % self._next_id)
         sess.cb = callback
-        sess.subs[filt] = (qos, 0)
+        sess.subs = {filt: (qos, 0)}
         self.tree.add(filt, sess, qos, 0)
         if self.cfg["retain_available"]:
             # like a new MQTT subscription with Retain Handling 0 (D1)
             flevels = filt.split("/")
             it = self.sys_iter(flevels) if flevels[0] == "$SYS" else self.store.match(flevels)
-            sess.rq.append([it, qos, 0, filt, None])
+            sess.rq = [[it, qos, 0, filt, None]]
             self.busy.append(sess)
         return sess
 
     def local_unsubscribe(self, sess):
         for f in sess.subs:
             self.tree.remove(f, sess)
-        sess.subs = {}
+        sess.subs = ()
         self.drop_rq(sess)
         sess.cb = None
 
@@ -2485,7 +2510,7 @@ class Engine:
         for c in self.conns:
             if c.sess is None:
                 continue
-            line = "%s %s %s" % (c.cid, c.peer, c.user or "-")
+            line = "%s %s %s" % (c.cid, c.peer, c.sess.user or "-")
             n += len(line) + 1
             if n > 2048:
                 out.append("...")
