@@ -232,13 +232,14 @@ def test_show_reports_schema_errors(tmp_path):
 # ----------------------------------------------------------------- apply
 def test_apply_merges_checks_and_writes(tmp_path):
     board = write(tmp_path, "esp32", esp32())
+    entry = "pbkdf2_sha256:1000:" + "ab" * 16 + ":" + "cd" * 32
     patch = write(tmp_path, "patch", {"max_retained_messages": 128, "log_level": None,
-                                      "users": {"gw": "sha256:" + "ab" * 32}})
+                                      "users": {"gw": entry}})
     r = config("apply", str(board), str(patch), check=0)
     merged = json.loads(r.stdout)
     assert merged["max_retained_messages"] == 128
     assert "log_level" not in merged  # null removes the key: its default applies
-    assert merged["users"] == {"gw": "sha256:" + "ab" * 32}
+    assert merged["users"] == {"gw": entry}
     assert json.loads(board.read_text()) == esp32()  # not written without --write
     config("apply", str(board), str(patch), "--write", check=0)
     assert json.loads(board.read_text()) == merged

@@ -245,13 +245,19 @@ def test_build_reports_sizes_and_fails_over_budget(tmp_path):
         (tmp_path / "esp32" / f["path"]).stat().st_size for f in man["files"]
         if f["path"].endswith(".mpy"))
     assert not (tmp_path / "esp32" / "romfs.img").exists()
-    res = edgebroker("build", "esp32", "--dist", str(tmp_path), "--set", "code_budget_bytes=1000")
-    assert res.returncode == 1
-    assert "OVER BUDGET" in res.stdout and "over esp32's code_budget_bytes (1,000)" in res.stderr
-    (tmp_path / "s.json").write_text(json.dumps(SECRETS))
-    res = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dist", str(tmp_path),
-                     "--set", "code_budget_bytes=1000", "--secrets", str(tmp_path / "s.json"))
-    assert res.returncode == 2 and "not flashing it" in res.stderr
+    # a budget config check refuses stops both commands before they build or copy
+    for cmd in (["build", "esp32"], ["flash", "esp32", "--port", "/dev/ttyUSB9"]):
+        res = edgebroker(*cmd, "--dist", str(tmp_path / "refused"), "--set",
+                         "code_budget_bytes=1000")
+        assert res.returncode == 2, res.stderr
+        assert "code_budget_bytes = 1000: must be >= " in res.stderr
+        assert not (tmp_path / "refused").exists()
+    # the .mpy files themselves over the budget (a build made without that check)
+    target = build_cmd.load_target("esp32")
+    target = build_cmd.Target(target.path, target.name, dict(target.profile, code_budget_bytes=1000))
+    result = build_cmd.build(target, tmp_path / "over")
+    assert result.over_budget
+    assert "OVER BUDGET" in build_cmd.report(result)
 
 
 def test_build_is_current_until_an_input_changes(tmp_path):
