@@ -265,6 +265,26 @@ def test_reference_page_is_up_to_date():
     for key, sub in PROPS.items():
         assert "### %s\n" % key in page, key
         assert sub["x-consequence"] in page, key
+    # docs/contract.md's table: every key the broker reads, with its consequence
+    contract = (REPO / "docs" / "contract.md").read_text()
+    for key, sub in PROPS.items():
+        row = "| [`%s`](board-reference.md#%s) |" % (key, key)
+        if "broker" in [r.strip() for r in sub["x-read-by"].split(",")]:
+            assert row in contract and sub["x-consequence"].replace("|", "\\|") in contract, key
+        else:
+            assert row not in contract, key
+
+
+def test_reference_check_notices_a_stale_contract_table():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from edgebroker_tools import reference
+    finally:
+        sys.path.pop(0)
+    current = (REPO / "docs" / "contract.md").read_text()
+    stale = current.replace("| [`heap_reserve`]", "| [`heap_reserved`]")
+    assert stale != current
+    assert reference.update_contract(stale, SCHEMA) == current
 
 
 def test_reference_check_notices_a_stale_page(tmp_path):

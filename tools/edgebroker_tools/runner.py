@@ -243,7 +243,8 @@ def broker_command(
         if heap is not None:
             argv += ["-X", f"heapsize={heap_option(parse_heap(heap))}"]
         # As on a board, the broker runs from bytecode: importing the source
-        # would need the compiler's ~150 KB of heap on top (design.md).
+        # would need the compiler's ~150 KB of heap on top (boards/memory_costs.json,
+        # min_heap_import_py against min_heap_import_mpy).
         mpy = compile_mpy(Path(script))
         # the modules the broker imports lazily (edgestore) go beside it
         for sibling in sorted(Path(script).parent.glob("*.py")):
