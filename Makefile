@@ -11,7 +11,7 @@ VENV   := .venv
 venv:  ## .venv with pinned deps + editable tools, mosquitto (no-op when done)
 	bash tools/setup.sh
 
-run: venv  ## broker in the foreground: make run [BOARD=...] [PORT=...] [INTERP=micropython]
+run: venv  ## broker in the foreground: make run [BOARD=esp32|path/to/profile.json] [PORT=...] [INTERP=micropython]
 	exec $(VENV)/bin/edgebroker run --board $(BOARD) --port $(PORT) --interpreter $(INTERP)
 
 test: venv  ## host tests, both interpreters and both servers, 4 workers by file (fails on "no tests collected" too)
@@ -42,8 +42,8 @@ build: venv  ## dist/<board>/: .mpy, boot.py, main.py, board.json (+ ROMFS image
 flash: venv  ## build if stale, copy, verify by hash, soft-reset: make flash BOARD=esp32 PORT=/dev/ttyUSB0
 	$(VENV)/bin/edgebroker flash $(BOARD) --port $(PORT)
 
-lint: venv  ## ruff + mypy --strict over tools/
-	$(VENV)/bin/ruff check tools && $(VENV)/bin/ruff format --check tools && $(VENV)/bin/mypy --strict tools
+lint: venv  ## ruff check + format check over tools/, lib/ and firmware/ (pyproject.toml's profile); mypy --strict over tools/
+	$(VENV)/bin/ruff check tools lib firmware && $(VENV)/bin/ruff format --check tools lib firmware && $(VENV)/bin/mypy --strict tools
 
 clean:  ## caches and build leftovers (keeps .venv and data/)
 	rm -rf build dist tools/*.egg-info .mypy_cache .ruff_cache .pytest_cache

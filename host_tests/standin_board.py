@@ -41,7 +41,7 @@ interpreter it started (by PID) and joins its thread.
 
 Run by hand (then e.g. `edgebroker flash host --port socket://127.0.0.1:N`):
 
-    .venv/bin/python host_tests/standin_board.py --root /tmp/board [--port N]
+    .venv/bin/python host_tests/standin_board.py --root build/standin-board [--port N]
 """
 
 from __future__ import annotations

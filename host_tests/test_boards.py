@@ -232,13 +232,14 @@ def test_show_reports_schema_errors(tmp_path):
 # ----------------------------------------------------------------- apply
 def test_apply_merges_checks_and_writes(tmp_path):
     board = write(tmp_path, "esp32", esp32())
+    entry = "pbkdf2_sha256:1000:" + "ab" * 16 + ":" + "cd" * 32
     patch = write(tmp_path, "patch", {"max_retained_messages": 128, "log_level": None,
-                                      "users": {"gw": "sha256:" + "ab" * 32}})
+                                      "users": {"gw": entry}})
     r = config("apply", str(board), str(patch), check=0)
     merged = json.loads(r.stdout)
     assert merged["max_retained_messages"] == 128
     assert "log_level" not in merged  # null removes the key: its default applies
-    assert merged["users"] == {"gw": "sha256:" + "ab" * 32}
+    assert merged["users"] == {"gw": entry}
     assert json.loads(board.read_text()) == esp32()  # not written without --write
     config("apply", str(board), str(patch), "--write", check=0)
     assert json.loads(board.read_text()) == merged
@@ -264,6 +265,26 @@ def test_reference_page_is_up_to_date():
     for key, sub in PROPS.items():
         assert "### %s\n" % key in page, key
         assert sub["x-consequence"] in page, key
+    # docs/contract.md's table: every key the broker reads, with its consequence
+    contract = (REPO / "docs" / "contract.md").read_text()
+    for key, sub in PROPS.items():
+        row = "| [`%s`](board-reference.md#%s) |" % (key, key)
+        if "broker" in [r.strip() for r in sub["x-read-by"].split(",")]:
+            assert row in contract and sub["x-consequence"].replace("|", "\\|") in contract, key
+        else:
+            assert row not in contract, key
+
+
+def test_reference_check_notices_a_stale_contract_table():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from edgebroker_tools import reference
+    finally:
+        sys.path.pop(0)
+    current = (REPO / "docs" / "contract.md").read_text()
+    stale = current.replace("| [`heap_reserve`]", "| [`heap_reserved`]")
+    assert stale != current
+    assert reference.update_contract(stale, SCHEMA) == current
 
 
 def test_reference_check_notices_a_stale_page(tmp_path):

@@ -1,7 +1,7 @@
 """The `edgebroker run` host command (issue: its exact interface is driven
 by outside checks) and refusals under memory pressure: the heap reserve on
 MicroPython refuses new connections with 0x97 / rc 3 while the broker stays
-up, and it accepts again once memory is back (design.md: MicroPython's own
+up, and it accepts again once memory is back (MicroPython's own asyncio
 start_server accept task dies for good on one MemoryError; ours must not)."""
 
 import os

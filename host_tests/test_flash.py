@@ -9,7 +9,9 @@ esptool is not run (no chip here): its command lines are checked through
 --dry-run and esptool_commands().
 """
 
+import io
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -141,11 +143,53 @@ def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path
         assert "edgebroker build: esp32 ->" in out  # the profile changed: rebuilt
         assert "same lib/edgebroker.mpy" in out  # mpremote skipped what the board has
         assert "copy board.json" in out
+        # the bar counts what was done: each file once, copied or skipped,
+        # and it reaches 100% at the last step only
+        bars = bar_lines(out)
+        files = [label.split()[1] for _pct, label in bars
+                 if label.startswith(("copy ", "same "))]
+        assert sorted(files) == sorted(["lib/edgebroker.mpy", "lib/edgestore.mpy",
+                                        "lib/gateway.mpy", "boot.py", "main.py", "board.json",
+                                        "secrets.json"]), bars
+        pcts = [pct for pct, _label in bars]
+        assert pcts == sorted(set(pcts)) and pcts[-1] == 100 and pcts[-2] < 100, bars
         assert "edgebroker: stopped by Ctrl-C" in b.console()
         assert "wdt" not in [cause for _mode, cause in b.boots], b.boots
         assert retained_of(port, "site/b/state") == b"open"
     finally:
         b.stop()
+
+
+def bar_lines(out):
+    """(percent, label) of each progress bar line of a flash's output."""
+    found = []
+    for line in out.splitlines():
+        m = re.match(r"^\[[#-]+\] +(\d+)% (.*)$", line)
+        if m:
+            found.append((int(m.group(1)), m.group(2)))
+    return found
+
+
+def test_copy_progress_counts_each_file_once(tmp_path):
+    """mpremote prints "cp SRC :DEST" before each file and "Up to date: DEST"
+    after it when the board's copy matched: one step per file, "same" or
+    "copy", never both, so the bar is not full before the last step."""
+    copies = [flash_cmd.CopyItem(tmp_path / n, r, size) for n, r, size in (
+        ("a.mpy", "/lib/a.mpy", 100), ("main.py", "/main.py", 20), ("board.json", "/board.json", 5))]
+    fake = tmp_path / "fake_mpremote.py"
+    fake.write_text(
+        "print('cp %s :/lib/a.mpy')\n"
+        "print('Up to date: /lib/a.mpy')\n"
+        "print('cp %s :/main.py')\n"
+        "print('cp %s :/board.json')\n" % (copies[0].local, copies[1].local, copies[2].local))
+    out = io.StringIO()
+    progress = flash_cmd.Progress(len(copies) + 2, out)  # + prepare, verify
+    progress.step("prepare")
+    flash_cmd.run_copy([sys.executable, str(fake)], copies, progress)
+    assert [label for _pct, label in bar_lines(out.getvalue())] == [
+        "prepare", "same lib/a.mpy (100 bytes)", "copy main.py (20 bytes)",
+        "copy board.json (5 bytes)"]
+    assert [pct for pct, _label in bar_lines(out.getvalue())] == [20, 40, 60, 80]
 
 
 # ---------------------------------------------------------------- dry run, esptool
@@ -245,13 +289,19 @@ def test_build_reports_sizes_and_fails_over_budget(tmp_path):
         (tmp_path / "esp32" / f["path"]).stat().st_size for f in man["files"]
         if f["path"].endswith(".mpy"))
     assert not (tmp_path / "esp32" / "romfs.img").exists()
-    res = edgebroker("build", "esp32", "--dist", str(tmp_path), "--set", "code_budget_bytes=1000")
-    assert res.returncode == 1
-    assert "OVER BUDGET" in res.stdout and "over esp32's code_budget_bytes (1,000)" in res.stderr
-    (tmp_path / "s.json").write_text(json.dumps(SECRETS))
-    res = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dist", str(tmp_path),
-                     "--set", "code_budget_bytes=1000", "--secrets", str(tmp_path / "s.json"))
-    assert res.returncode == 2 and "not flashing it" in res.stderr
+    # a budget config check refuses stops both commands before they build or copy
+    for cmd in (["build", "esp32"], ["flash", "esp32", "--port", "/dev/ttyUSB9"]):
+        res = edgebroker(*cmd, "--dist", str(tmp_path / "refused"), "--set",
+                         "code_budget_bytes=1000")
+        assert res.returncode == 2, res.stderr
+        assert "code_budget_bytes = 1000: must be >= " in res.stderr
+        assert not (tmp_path / "refused").exists()
+    # the .mpy files themselves over the budget (a build made without that check)
+    target = build_cmd.load_target("esp32")
+    target = build_cmd.Target(target.path, target.name, dict(target.profile, code_budget_bytes=1000))
+    result = build_cmd.build(target, tmp_path / "over")
+    assert result.over_budget
+    assert "OVER BUDGET" in build_cmd.report(result)
 
 
 def test_build_is_current_until_an_input_changes(tmp_path):

@@ -4,7 +4,7 @@ real clients over loopback, stopped cleanly (SIGINT) or killed (SIGKILL) and
 restarted on the same data directory (broker_factory shares
 tmp_path/"data" between the starts of one test).
 
-Rules (/work/shared/retained-semantics.md), named in every test:
+Rules (docs/retained.md), named in every test:
 
   durability  "Durability": in disc and disc_only the PUBACK (QoS 1) /
               PUBREC (QoS 2) of a retained PUBLISH goes out only after the
@@ -430,7 +430,7 @@ def test_retained_survive_clean_restart_with_qos_and_properties_S8_S6(
     and restart on the same data dir, with their QoS and properties; the
     restarted store keeps working (replace, delete, add) and a second
     restart shows exactly those changes. storage_type "ram" is the control:
-    it is RAM only, so nothing survives (retained-semantics.md, section 5)."""
+    it is RAM only, so nothing survives (docs/retained.md, "Storage types")."""
     b = broker_factory(storage_type=storage)
     paho = paho_client(b.port, "s8-paho", protocol=5)
     props = {
@@ -953,7 +953,7 @@ def test_compaction_during_paced_delivery_keeps_every_topic_once_D9_S1_S3(
 @pytest.mark.parametrize("storage", ["ram", "disc_only"])
 @pytest.mark.timeout(60)
 def test_live_queue_overflow_never_drops_a_pending_retained_message_D9(broker_factory, storage):
-    """D9 (design.md: "delivers every matching message, however many"): a
+    """D9 (docs/retained.md: every matching message is delivered): a
     '#' subscriber with Receive Maximum 5 holds its window full after 100
     of 1,000 retained messages; meanwhile 200 live QoS 1 messages are
     published to it, more than its session queue holds (max_queued=64: the
@@ -993,7 +993,7 @@ def test_live_queue_overflow_never_drops_a_pending_retained_message_D9(broker_fa
 def test_retained_ack_only_after_record_is_in_the_file_durability(
     broker_factory, storage, tmp_path
 ):
-    """Durability (retained-semantics.md): with disc and disc_only, right
+    """Durability (docs/retained.md): with disc and disc_only, right
     after each PUBACK (QoS 1) or PUBREC (QoS 2, before PUBREL) of a retained
     PUBLISH, the store file read with edgestore's reader already holds that
     value (or a later one); after the PUBACK of an empty retained PUBLISH

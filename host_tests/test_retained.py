@@ -1,9 +1,9 @@
-"""Retained messages: the rule table of /work/shared/retained-semantics.md
-(sections 1-4), one or more tests per rule, each naming its rule (S1..S7,
-D1..D9, E1..E3, L1..L5) and the spec statement it holds.
+"""Retained messages: the rules of docs/retained.md, one or more tests per
+rule, each naming its rule (S1..S7, D1..D9, E1..E3, L1..L5) and the spec
+statement it holds.
 
 Not here: S8 (survives a restart on flash) and E4 (expiry across a restart)
-need the flash store - a later issue.
+need the flash store: test_flash_e2e.py.
 
 Spec statements are MQTT 5.0 unless marked 3.1.1. Every test runs under
 both interpreters. Profile keys: docs/contract.md.

@@ -1,4 +1,4 @@
-"""Crash safety of the flash retained store (retained-semantics.md, "Crash
+"""Crash safety of the flash retained store (docs/retained.md, "Crash
 safety"; rule S8): a power cut at ANY byte of any store write (puts, deletes,
 commits, compaction, the rewrite after a torn tail) leaves a store that
 opens, holds every change committed before the cut, and holds no torn record.

@@ -2,7 +2,7 @@
 publisher waiting for its PUBACK is disconnected (5.0: DISCONNECT 0x80;
 3.1.1: closed) so that it resends on reconnect (MQTT-4.4.0-1), the failure
 is counted under $SYS/broker/refusals/store_io, and the broker goes on
-serving everyone else (retained-semantics.md "Durability")."""
+serving everyone else (docs/retained.md "Durability")."""
 
 from pathlib import Path
 

@@ -1,5 +1,5 @@
 # Crash safety of the flash retained store on littlefs v2, at every block
-# write (retained-semantics.md "Crash safety", rule S8). MicroPython only:
+# write (docs/retained.md "Crash safety", rule S8). MicroPython only:
 #
 #   micropython lfs_crash.py LIBDIR [--torn]
 #

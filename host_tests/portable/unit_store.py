@@ -2,7 +2,7 @@
 # same file runs under CPython (pytest, via test_unit.py) and under the
 # MicroPython unix port (mp_runner.py). Plain functions, plain asserts.
 # Every test that names a mode runs both "disc" and "disc_only". Names cite
-# the rules of /work/shared/retained-semantics.md (S8, E1, E4, D1, D6, ...).
+# the rules of docs/retained.md (S8, E1, E4, D1, D6, ...).
 import os
 import sys
 

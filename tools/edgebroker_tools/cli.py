@@ -3,15 +3,18 @@
     edgebroker run [--board boards/host.json] [--port 1883] ...
     edgebroker store inspect FILE [--json] | edgebroker store check FILE
     edgebroker fleet collect|build|report|synth ...
+    edgebroker passwd USER [--file secrets.json]
 
 Subcommands are separate modules under edgebroker_tools.commands (see its
 docstring); this module only assembles them and turns their errors into
-one-line messages and exit codes.
+one-line messages and exit codes (2 for bad input; a closed stdout,
+`edgebroker ... | head`, ends the command quietly).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
@@ -24,9 +27,11 @@ from edgebroker_tools.commands import (
     emulate,
     flash,
     fleet,
+    passwd,
     run,
     store,
 )
+from edgebroker_tools.profiles import ProfileError
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -38,11 +43,14 @@ COMMANDS: Final[tuple[Callable[[Subparsers], None], ...]] = (
     config.register,
     build.register,
     flash.register,
+    passwd.register,
     store.register,
     fleet.register,
 )
 
 EXIT_USAGE: Final = 2
+#: Exit code when stdout's reader has gone (as Python itself does on EPIPE).
+EXIT_BROKEN_PIPE: Final = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `edgebroker` console script; returns the exit code."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a pipe's buffer: a gone reader shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`edgebroker store inspect --json | head`): stop
+        # quietly. stdout is pointed at /dev/null so that the interpreter's
+        # final flush does not fail again (the recipe of the Python docs,
+        # "Note on SIGPIPE" in the signal module).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = args.handler
     try:
         code = handler(args)
-    except CommandError as exc:
+    except (CommandError, ProfileError) as exc:
+        sys.stdout.flush()
         print(f"edgebroker {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

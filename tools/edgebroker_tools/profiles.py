@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from edgebroker_tools import runner
+from edgebroker_tools import passwords, runner
 
 Profile = dict[str, Any]
 Schema = dict[str, Any]
@@ -236,8 +236,7 @@ def validate_value(key: str, value: Any, sub: Mapping[str, Any]) -> list[Issue]:
     shown = f"{key} = {show(value)}"
     want = sub.get("type")
     if isinstance(want, str) and not _type_ok(value, want):
-        article = "an" if want[0] in "aeiou" else "a"
-        issues.append(Issue(key, f"{shown}: must be {article} {want}, not {_jtype(value)}"))
+        issues.append(Issue(key, f"{shown}: must be {_allowed(want, sub)}, not {_jtype(value)}"))
         return issues
     enum = sub.get("enum")
     if isinstance(enum, list) and value not in enum:
@@ -278,6 +277,19 @@ def validate_value(key: str, value: Any, sub: Mapping[str, Any]) -> list[Issue]:
             elif isinstance(extra, dict):
                 issues += validate_value(child, item, extra)
     return issues
+
+
+def _allowed(want: str, sub: Mapping[str, Any]) -> str:
+    """What a key accepts, for a wrong-type message: the type and its range."""
+    enum = sub.get("enum")
+    if isinstance(enum, list):
+        return "one of " + ", ".join(show(v) for v in enum)
+    if want == "boolean":
+        return "a boolean (true or false)"
+    article = "an" if want[0] in "aeiou" else "a"
+    if want in ("integer", "number") and ("minimum" in sub or "maximum" in sub):
+        return f"{article} {want} in {_range_text(sub)}{_unit(sub)}"
+    return f"{article} {want}"
 
 
 def _range_text(sub: Mapping[str, Any]) -> str:
@@ -515,6 +527,29 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
     return items
 
 
+def start_heap(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> int:
+    """The smallest MicroPython heap the broker's build imports and listens
+    in (measured costs): the import peak of the .mpy modules, or the code
+    kept plus the idle broker, its receive buffer and the empty flash store,
+    whichever is larger.
+    With romfs the bytecode runs in place (emulate adds the image itself)."""
+    mods = modules_for(cfg)
+    idle = _cost(costs, "broker_idle") + int(cfg["io_chunk"])
+    store = str(cfg["storage_type"])
+    if store != "ram" and cfg["retain_available"]:
+        idle += _cost(costs, "retained", store, "fixed")  # the store opens before listen()
+        if store == "disc_only":
+            idle += INDEX_CHUNK * _cost(costs, "retained", store, "per_message")
+    if cfg["romfs"]:
+        return sum(_cost(costs, "import_romfs", m) for m in mods) + idle
+    peak = 0
+    kept = 0
+    for m in mods:
+        peak = max(peak, kept + _cost(costs, "min_heap_import_mpy", m))
+        kept += _cost(costs, "import_mpy", m)
+    return max(peak, kept + idle)
+
+
 def flash_breakdown(cfg: Mapping[str, Any]) -> list[HeapItem]:
     """Peak filesystem use of the flash store (MODEL_TEXT, Flash); [] for ram."""
     if cfg["storage_type"] == "ram":
@@ -601,6 +636,12 @@ def check_profile(
             f"max_payload_size = {cfg['max_payload_size']}: larger than max_packet_size "
             f"{cfg['max_packet_size']}, so no retained payload can reach it",
         )
+    if ok("users"):
+        check_users(report, cfg["users"], "users")
+    if ok("bind", "allow_anonymous"):
+        exposed = open_to_network(str(cfg["bind"]), cfg)
+        if exposed is not None:
+            report.issues.append(exposed)
     if ok("watchdog_ms") and 0 < int(cfg["watchdog_ms"]) < 1000:
         report.error(
             "watchdog_ms",
@@ -718,6 +759,119 @@ def _check_heap(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
                     f"memory costs were measured for another lib/{fname}: "
                     "`make measure-memory` refreshes them"
                 )
+
+
+#: Addresses that listen on every interface.
+ANY_ADDRESS: Final = frozenset({"0.0.0.0", "::", ""})
+
+
+def open_to_network(bind: str, cfg: Mapping[str, Any]) -> Issue | None:
+    """The warning for a broker on every interface that lets anyone in."""
+    if bind not in ANY_ADDRESS or cfg.get("allow_anonymous") is not True:
+        return None
+    return Issue(
+        "allow_anonymous",
+        f"allow_anonymous = true with bind {show(bind)}: any client that reaches the "
+        "network can connect without a password; set allow_anonymous false and add "
+        "users (`edgebroker passwd USER`), or bind one address",
+        "warning",
+    )
+
+
+def host_warnings(report: Report, bind: str) -> list[Issue]:
+    """The check's warnings for a broker run on this machine (`run`,
+    `emulate`): the profile's bind is the board's, the tools' --bind is used
+    here, so the open-to-the-network warning is made for that one instead."""
+    out = [i for i in report.warnings if i.key != "allow_anonymous"]
+    exposed = open_to_network(bind, report.profile)
+    if exposed is not None:
+        out.append(exposed)
+    return out
+
+
+def check_users(report: Report, users: Any, where: str) -> None:
+    """Each password entry: pbkdf2 well formed (error), bare sha256 (error),
+    plain text (warning). Messages never repeat a password."""
+    if not isinstance(users, dict):
+        return
+    for name, entry in users.items():
+        key = f"{where}.{name}"
+        if not isinstance(entry, str):
+            continue  # the schema reports the type
+        what = passwords.kind(entry)
+        if what == "sha256":
+            report.error(
+                key,
+                f'{key} = "sha256:...": an unsalted sha256 hash is not accepted; '
+                f"make a salted entry with `edgebroker passwd {name}`",
+            )
+        elif what == "pbkdf2":
+            try:
+                passwords.parse_entry(entry)
+            except ValueError as exc:
+                report.error(key, f'{key} = "{passwords.SCHEME}:...": {exc}')
+        else:
+            report.warn(
+                key,
+                f"{key}: plain-text password; store it salted with "
+                f"`edgebroker passwd {name} --file FILE`",
+            )
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """One `--set key=value`: the value is JSON if it parses, else the string
+    (as lib/edgebroker.py reads it)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ProfileError(f"invalid --set {item!r}: expected key=value")
+    try:
+        value: Any = json.loads(text)
+    except ValueError:
+        value = text
+    return key, value
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A profile that passed `config check`: its file, name, content (with the
+    --set overrides, as the broker or board gets it) and the check's report
+    (report.profile is the effective profile, defaults filled in)."""
+
+    path: Path
+    name: str
+    profile: Profile
+    report: Report
+
+
+def load_checked(
+    spec: str,
+    overrides: Iterable[str] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> Checked:
+    """Resolve, read, apply overrides (then extra), and run check_profile,
+    the checker of `config check`. Any error raises ProfileError with one
+    line naming each failing key, its value and the allowed range."""
+    path = resolve_board(spec)
+    profile = load_profile(path)
+    sets = list(overrides)
+    for item in sets:
+        key, value = parse_override(item)
+        profile[key] = value
+    if extra:
+        profile.update(extra)
+    schema = load_schema()
+    try:
+        costs: dict[str, Any] | None = load_costs()
+    except ProfileError:
+        costs = None  # a checkout without measured costs: schema and sockets only
+    name = runner.board_name(path, profile)
+    report = check_profile(profile, schema, costs, name)
+    if report.errors:
+        source = f"{path} with --set" if sets else str(path)
+        texts = "; ".join(issue.text for issue in report.errors)
+        raise ProfileError(f"{source}: {texts}")
+    return Checked(path, name, profile, report)
 
 
 def issues_text(issues: Iterable[Issue]) -> list[str]:

@@ -12,11 +12,13 @@ interface (flags, the one "listening" line, SIGINT for a clean stop).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -88,6 +90,34 @@ def load_board(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RunnerError(f"board file {path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def check_listen(bind: str, port: int) -> None:
+    """Fail early, with the broker's own one-line wording, when the broker
+    could not listen on bind:port (in use, not an address of this machine,
+    a privileged port). The broker reports the same itself if the port is
+    taken between this check and its own bind."""
+    where = f"{bind}:{port}"
+    try:
+        family, kind, proto, _name, addr = socket.getaddrinfo(bind, port, 0, socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RunnerError(f"cannot listen on {where}: {_reason(exc)}") from None
+    probe = socket.socket(family, kind, proto)
+    try:
+        # as the broker: SO_REUSEADDR, so a port in TIME_WAIT is not "in use"
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(addr)
+    except OSError as exc:
+        raise RunnerError(f"cannot listen on {where}: {_reason(exc)}") from None
+    finally:
+        probe.close()
+
+
+def _reason(exc: OSError | UnicodeError) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return "address in use"
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return text[:1].lower() + text[1:]
 
 
 def heap_option(size: int) -> str:
@@ -213,7 +243,8 @@ def broker_command(
         if heap is not None:
             argv += ["-X", f"heapsize={heap_option(parse_heap(heap))}"]
         # As on a board, the broker runs from bytecode: importing the source
-        # would need the compiler's ~150 KB of heap on top (design.md).
+        # would need the compiler's ~150 KB of heap on top (boards/memory_costs.json,
+        # min_heap_import_py against min_heap_import_mpy).
         mpy = compile_mpy(Path(script))
         # the modules the broker imports lazily (edgestore) go beside it
         for sibling in sorted(Path(script).parent.glob("*.py")):

@@ -12,7 +12,10 @@ exits 1 (flash refuses such a build). With ROMFS (MicroPython 1.25+) the
 bytecode runs from flash instead; the budget still applies (it bounds the
 image, which must fit the board's ROMFS partition).
 
-BOARD is a profile name (boards/<name>.json) or a path to a JSON file.
+BOARD is a profile name (boards/<name>.json) or a path to a JSON file. The
+profile with its --set overrides goes through the checker of `config check`
+first: any error is one line (key, value, allowed range) and exit 2, and
+nothing is built; its warnings are printed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from edgebroker_tools import __version__, runner
+from edgebroker_tools import __version__, profiles, runner
 from edgebroker_tools.commands import CommandError, add_set_option
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ class Target:
     path: Path
     name: str
     profile: dict[str, Any]
+    warnings: tuple[str, ...] = ()  # `config check` warnings of the profile
 
 
 @dataclass(frozen=True)
@@ -107,21 +111,16 @@ def parse_value(text: str) -> Any:
 
 def resolve_board(arg: str) -> Path:
     """A board name (boards/<name>.json in the repo) or a path to a profile."""
-    if arg.endswith(".json") or "/" in arg or "\\" in arg:
-        path = Path(arg)
-        if not path.exists() and not path.is_absolute() and (runner.repo_root() / path).exists():
-            return runner.repo_root() / path
-        return path
-    return runner.repo_root() / "boards" / f"{arg}.json"
+    return profiles.resolve_board(arg)
 
 
 def load_target(arg: str, overrides: Sequence[str] = ()) -> Target:
-    path = resolve_board(arg)
-    profile = runner.load_board(path)
-    for item in overrides:
-        key, _sep, value = runner.check_override(item).partition("=")
-        profile[key.strip()] = parse_value(value)
-    return Target(path=path, name=runner.board_name(path, profile), profile=profile)
+    """The profile with its overrides, checked by the checker of `config
+    check` (profiles.load_checked): a board never gets a profile that check
+    refuses. Raises ProfileError (one line: key, value, allowed range)."""
+    checked = profiles.load_checked(arg, overrides)
+    warnings = tuple(str(i) for i in checked.report.warnings)
+    return Target(checked.path, checked.name, checked.profile, warnings)
 
 
 def sources() -> list[Source]:
@@ -382,6 +381,8 @@ def register(subparsers: Subparsers) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     target = load_target(cast(str, args.board), cast("list[str]", args.overrides))
+    for warning in target.warnings:
+        print(f"edgebroker build: {warning}", file=sys.stderr)
     dist = cast("Path | None", args.dist) or default_dist()
     result = build(target, dist)
     print(report(result))

@@ -3,7 +3,7 @@
     edgebroker config check BOARD|FILE... [--all] [-v] [--costs FILE]
     edgebroker config show BOARD|FILE [--only-set]
     edgebroker config apply BOARD|FILE PATCH.json [--write]
-    edgebroker config reference [--out FILE] [--check]
+    edgebroker config reference [--out FILE] [--check]   # + docs/contract.md's key table
 
 BOARD is a name (esp32 -> boards/esp32.json) or a path. The schema is
 boards/schema.json, the measured costs boards/memory_costs.json; the checks
@@ -87,10 +87,16 @@ def register(subparsers: Subparsers) -> None:
 
     ref = sub.add_parser(
         "reference",
-        help="write docs/board-reference.md from the schema",
-        description="Generate the board profile reference page from boards/schema.json.",
+        help="write docs/board-reference.md and docs/contract.md's key table from the schema",
+        description="Generate the board profile reference page, and the table of keys the "
+        "broker reads in docs/contract.md, from boards/schema.json.",
     )
-    ref.add_argument("--out", type=Path, default=None, help="output (default: the repo's page)")
+    ref.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the reference page here instead (docs/contract.md is then left alone)",
+    )
     ref.add_argument(
         "--check", action="store_true", help="do not write: exit 1 if the page is out of date"
     )
@@ -233,25 +239,38 @@ def handle_apply(args: argparse.Namespace) -> int:
 
 
 def handle_reference(args: argparse.Namespace) -> int:
-    text = reference.render(_schema())
-    out = cast("Path | None", args.out) or reference.reference_path()
-    if args.check:
+    schema = _schema()
+    given = cast("Path | None", args.out)
+    pages = [(given or reference.reference_path(), reference.render(schema))]
+    if given is None:  # the repo's pages: docs/contract.md's key table too
+        path = reference.contract_path()
         try:
-            current = out.read_text(encoding="utf-8")
-        except OSError:
-            current = ""
-        if current != text:
-            print(
-                f"{out} is out of date: run `edgebroker config reference` (make board-reference)",
-                file=sys.stderr,
-            )
-            return EXIT_INVALID
-        print(f"{out}: up to date")
-        return 0
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise CommandError(f"cannot write {out}: {exc.strerror or exc}") from None
-    print(f"wrote {out}")
+            current = path.read_text(encoding="utf-8")
+            pages.append((path, reference.update_contract(current, schema)))
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"cannot update {path}: {exc}") from None
+    if args.check:
+        stale = 0
+        for out, text in pages:
+            try:
+                current = out.read_text(encoding="utf-8")
+            except OSError:
+                current = ""
+            if current != text:
+                stale += 1
+                print(
+                    f"{out} is out of date: run `edgebroker config reference` "
+                    "(make board-reference)",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"{out}: up to date")
+        return EXIT_INVALID if stale else 0
+    for out, text in pages:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise CommandError(f"cannot write {out}: {exc.strerror or exc}") from None
+        print(f"wrote {out}")
     return 0

@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from edgebroker_tools import profiles, runner
 from edgebroker_tools.commands import CommandError, add_set_option, port_arg
 from edgebroker_tools.mqttclient import Client, MqttError, parse_publish
-from edgebroker_tools.profiles import ProfileError
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -178,44 +177,16 @@ def register(subparsers: Subparsers) -> None:
 
 
 # ------------------------------------------------------------------ setup
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def prepare_profile(
-    spec: str, overrides: list[str], sys_interval: int | None
+    spec: str, overrides: list[str], sys_interval: int | None, bind: str = "127.0.0.1"
 ) -> tuple[str, dict[str, Any], list[str]]:
-    """(board name, effective profile, notes); CommandError for a profile that
-    fails its schema (the broker would misread it)."""
-    try:
-        path = profiles.resolve_board(spec)
-        profile = profiles.load_profile(path)
-        schema = profiles.load_schema()
-    except ProfileError as exc:
-        raise CommandError(str(exc)) from None
-    for item in overrides:
-        key, _, value = item.partition("=")
-        profile[key.strip()] = _parse_value(value)
-    if sys_interval is not None:
-        profile["sys_interval"] = sys_interval
-    name = runner.board_name(path, profile)
-    try:
-        costs: dict[str, Any] | None = profiles.load_costs()
-    except ProfileError:
-        costs = None
-    try:
-        report = profiles.check_profile(profile, schema, costs, name)
-    except ProfileError:
-        report = profiles.check_profile(profile, schema, None, name)
-    schema_errors = profiles.validate(profile, schema)
-    if schema_errors:
-        lines = "; ".join(i.text for i in schema_errors)
-        raise CommandError(f"{path}: {lines}")
-    notes = [f"config check: {i.text} (emulating anyway)" for i in report.issues]
-    return name, profiles.effective(profile, schema), notes
+    """(board name, effective profile, notes). The profile with --set and
+    --sys-interval goes through the checker of `config check`: an error is
+    ProfileError (one line: key, value, allowed range), warnings are notes."""
+    extra = {"sys_interval": sys_interval} if sys_interval is not None else None
+    checked = profiles.load_checked(spec, overrides, extra)
+    notes = [f"config check: {i.text}" for i in profiles.host_warnings(checked.report, bind)]
+    return checked.name, checked.report.profile, notes
 
 
 def launcher_argv(
@@ -394,7 +365,10 @@ def monitor(
 def handle(args: argparse.Namespace) -> int:
     interpreter = cast(runner.Interpreter, args.interpreter)
     name, cfg, notes = prepare_profile(
-        cast(str, args.board), cast("list[str]", args.overrides), args.sys_interval
+        cast(str, args.board),
+        cast("list[str]", args.overrides),
+        args.sys_interval,
+        cast(str, args.bind),
     )
     data_dir = cast("Path | None", args.data_dir) or Path("data") / "emulate" / name
     try:
@@ -407,6 +381,10 @@ def handle(args: argparse.Namespace) -> int:
     heap = cast("str | None", args.heap)
     if heap is not None and interpreter == "cpython":
         notes.append("--heap is ignored with --interpreter cpython")
+        heap = None
+    if interpreter == "micropython":
+        check_heap(name, cfg, heap)
+    runner.check_listen(cast(str, args.bind), cast(int, args.port))
     argv, more = launcher_argv(
         cfg, interpreter, heap, data_dir, cast(int, args.port), cast(str, args.bind)
     )
@@ -422,6 +400,48 @@ def handle(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"emulate: note: {note}", file=sys.stderr, flush=True)
     return run(argv, name, cfg, interpreter, args)
+
+
+def minimum_heap(cfg: dict[str, Any]) -> int | None:
+    """profiles.start_heap with the measured costs, None without them."""
+    try:
+        return profiles.start_heap(cfg, profiles.load_costs())
+    except profiles.ProfileError:
+        return None
+
+
+def check_heap(name: str, cfg: dict[str, Any], heap: str | None) -> None:
+    """A --heap the build cannot start in: one line with the minimum.
+    (heap_bytes itself went through config check, which says the same.)"""
+    if heap is None:
+        return
+    size = runner.parse_heap(heap)
+    least = minimum_heap(cfg)
+    if least is not None and size < least:
+        raise CommandError(
+            f"--heap {heap} ({size:,} bytes) is too small for the {name} build: the broker "
+            f"needs at least {least:,} bytes to import and listen (boards/memory_costs.json)"
+        )
+
+
+def out_of_memory(name: str, cfg: dict[str, Any], heap: str | None, held: list[str]) -> str:
+    """The one line for a broker that died of MemoryError before listening."""
+    size = runner.parse_heap(heap) if heap is not None else int(cfg["heap_bytes"])
+    least = minimum_heap(cfg)
+    if least is None:
+        need = ""
+    elif least > size:
+        need = f": give at least {least:,} bytes"
+    else:
+        need = (
+            f"; boards/memory_costs.json puts the minimum at {least:,} bytes, so its figures "
+            "are out of date for this lib/ (`make measure-memory`)"
+        )
+    last = held[-1].strip() if held else "MemoryError"
+    return (
+        f"heap of {size:,} bytes is too small for the {name} build: the broker ran out of "
+        f"memory while starting ({last}){need}"
+    )
 
 
 def run(
@@ -455,6 +475,7 @@ def run(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
                 process_group=0,
             )
@@ -466,13 +487,32 @@ def run(
         def echo() -> None:
             assert child is not None and child.stdout is not None
             for line in child.stdout:
+                # the unix port prints an uncaught exception's traceback here
+                if held_out or (not listening.is_set() and line.startswith("Traceback")):
+                    held_out.append(line)
+                    continue
                 sys.stdout.write(line)
                 sys.stdout.flush()
                 if line.startswith("edgebroker listening on"):
                     listening.set()
 
+        def echo_err() -> None:
+            # log lines pass through; a traceback before the broker listens is
+            # held: a MemoryError there becomes one line (the heap is too small)
+            assert child is not None and child.stderr is not None
+            for line in child.stderr:
+                if held_err or (not listening.is_set() and line.startswith("Traceback")):
+                    held_err.append(line)
+                    continue
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+        held_out: list[str] = []
+        held_err: list[str] = []
         reader = threading.Thread(target=echo, daemon=True)
         reader.start()
+        err_reader = threading.Thread(target=echo_err, daemon=True)
+        err_reader.start()
         if not args.no_monitor:
             while not listening.wait(0.1):
                 if child.poll() is not None or stop.is_set():
@@ -482,6 +522,13 @@ def run(
                 monitor(cast(int, args.port), status, cast(float, args.status_every), stop, child)
         code = child.wait()
         reader.join(2.0)
+        err_reader.join(2.0)
+        held = held_out + held_err
+        if not listening.is_set() and any(x.startswith("MemoryError") for x in held):
+            heap = cast("str | None", args.heap) if interpreter == "micropython" else None
+            raise CommandError(out_of_memory(name, cfg, heap, held))
+        sys.stdout.writelines(held_out)
+        sys.stderr.writelines(held_err)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO, cast
 
-from edgebroker_tools import runner
+from edgebroker_tools import profiles, runner
 from edgebroker_tools.commands import CommandError, build
 
 if TYPE_CHECKING:
@@ -344,9 +344,17 @@ def run_tool(argv: Sequence[str], what: str, timeout: float) -> str:
     return out
 
 
+#: What mpremote prints per file of a chained `fs cp`: "cp SRC :DEST" before
+#: it looks at the file, then "Up to date: DEST" when the board's sha256
+#: matched and nothing was written (mpremote/commands.py do_filesystem_cp).
+_CP_LINE: Final = re.compile(r"^cp \S+ :(\S+)$")
+_SAME_LINE: Final = re.compile(r"^Up to date: (\S+)$")
+
+
 def run_copy(argv: Sequence[str], copies: Sequence[CopyItem], progress: Progress) -> None:
-    """The chained `mpremote fs cp`, advancing the bar as mpremote reports
-    each file ("cp SRC :DEST", or "Up to date: DEST" when the hash matched)."""
+    """The chained `mpremote fs cp`, advancing the bar once per file: "same"
+    when mpremote skipped it (its hash matched), "copy" once it was written
+    (known when mpremote moves on to the next file, or exits)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.Popen(
@@ -356,6 +364,11 @@ def run_copy(argv: Sequence[str], copies: Sequence[CopyItem], progress: Progress
         raise CommandError(f"copy: {argv[0]} not found (run `make venv`)") from None
     sizes = {c.remote.lstrip("/"): c.size for c in copies}
     lines: list[str] = []
+    pending: str | None = None  # the file mpremote is on, not yet known copied or same
+
+    def done(remote: str, state: str) -> None:
+        progress.step(f"{state} {remote} ({sizes.get(remote, 0):,} bytes)")
+
     killer = threading.Timer(COPY_TIMEOUT_S, proc.kill)  # bounded even if mpremote hangs
     killer.start()
     try:
@@ -363,11 +376,15 @@ def run_copy(argv: Sequence[str], copies: Sequence[CopyItem], progress: Progress
         for raw in proc.stdout:
             line = raw.rstrip("\n")
             lines.append(line)
-            m = re.match(r"^(?:cp \S+ :(\S+)|Up to date: (\S+))$", line)
-            if m:
-                remote = (m.group(1) or m.group(2) or "").lstrip("/")
-                state = "copy" if m.group(1) else "same"
-                progress.step(f"{state} {remote} ({sizes.get(remote, 0):,} bytes)")
+            started = _CP_LINE.match(line)
+            same = _SAME_LINE.match(line)
+            if started:
+                if pending is not None:
+                    done(pending, "copy")
+                pending = started.group(1).lstrip("/")
+            elif same:
+                done(same.group(1).lstrip("/"), "same")
+                pending = None
         code = proc.wait(timeout=STEP_TIMEOUT_S)
     finally:
         killer.cancel()
@@ -376,6 +393,8 @@ def run_copy(argv: Sequence[str], copies: Sequence[CopyItem], progress: Progress
             proc.wait(5)
     if code != 0:
         raise CommandError(f"copy failed (exit {code}): {' | '.join(lines[-4:])}")
+    if pending is not None:
+        done(pending, "copy")
 
 
 def soft_reset_and_watch(port: str, watch_s: float, echo: Callable[[str], None]) -> str:
@@ -446,7 +465,26 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
         warnings.append(f'{path} has no "ap_password" of 8+ characters: wifi_mode "ap" needs one')
     if mode != "ap" and not data.get("wifi_ssid"):
         warnings.append(f'{path} has no "wifi_ssid": the board will not join a network')
+    # the gateway merges these users into the profile: the profile's rules apply
+    users = profiles.Report(target.name, {})
+    profiles.check_users(users, data.get("users"), "users")
+    if users.errors:
+        raise CommandError(f"secrets file {path}: " + "; ".join(i.text for i in users.errors))
+    warnings += [i.text for i in users.warnings]
     return warnings
+
+
+def check_port(port: str) -> None:
+    """A serial device path that does not exist: one line, before any tool
+    runs (mpremote would report it as a traceback-like failure). URLs
+    (socket://, rfc2217://) and names such as COM3 are left to mpremote."""
+    if "://" in port or not port.startswith(("/", ".")):
+        return
+    if not Path(port).exists():
+        raise CommandError(
+            f"serial port {port} not found: is the board plugged in? "
+            "(`mpremote connect list` shows the ports there are)"
+        )
 
 
 def validate_port(text: str) -> str:
@@ -521,6 +559,8 @@ def register(subparsers: Subparsers) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     target = build.load_target(cast(str, args.board), cast("list[str]", args.overrides))
+    for warning in target.warnings:
+        print(f"edgebroker flash: {warning}", file=sys.stderr)
     dist_root = cast("Path | None", args.dist) or build.default_dist()
     port = cast(str, args.port)
     dry = cast(bool, args.dry_run)
@@ -565,6 +605,7 @@ def handle(args: argparse.Namespace) -> int:
         return print_dry_run(plan, args, stale)
 
     # the board-independent checks come before any tool touches the board
+    check_port(port)
     chip = cast("str | None", args.chip)
     if firmware is not None:
         chip_for(target, chip)

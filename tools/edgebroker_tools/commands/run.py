@@ -1,8 +1,11 @@
 """`edgebroker run`: start the broker in the foreground on this machine.
 
-Builds the command with edgebroker_tools.runner.broker_command (the process
-interface of docs/contract.md), passes the child's stdout/stderr through,
-forwards SIGINT/SIGTERM to it as SIGINT and exits with its exit code.
+Checks the profile with the checker of `config check` (profiles.load_checked:
+a bad value is one line naming the key, the value and the allowed range, exit
+2) and that the address is free, builds the command with
+edgebroker_tools.runner.broker_command (the process interface of
+docs/contract.md), passes the child's stdout/stderr through, forwards
+SIGINT/SIGTERM to it as SIGINT and exits with its exit code.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from edgebroker_tools import runner
+from edgebroker_tools import profiles, runner
 from edgebroker_tools.commands import CommandError, add_set_option, port_arg
 
 if TYPE_CHECKING:
@@ -43,11 +46,10 @@ def register(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--board",
-        type=Path,
-        default=Path(DEFAULT_BOARD),
-        metavar="FILE",
+        default=DEFAULT_BOARD,
+        metavar="BOARD|FILE",
         help=(
-            f"board profile (JSON; default: {DEFAULT_BOARD}); "
+            f"board profile: a name in boards/ (esp32) or a JSON file (default: {DEFAULT_BOARD}); "
             "a relative path not found here is looked up in the repo"
         ),
     )
@@ -87,18 +89,17 @@ def register(subparsers: Subparsers) -> None:
     parser.set_defaults(handler=handle)
 
 
-def _find_board(path: Path) -> Path:
-    """The board file as given, or for a relative path missing here, the repo's copy."""
-    if path.exists() or path.is_absolute():
-        return path
-    in_repo = runner.repo_root() / path
-    return in_repo if in_repo.exists() else path
-
-
 def handle(args: argparse.Namespace) -> int:
-    """Start the broker and wait for it; returns its exit code."""
-    board = _find_board(cast(Path, args.board))
-    profile = runner.load_board(board)
+    """Check the profile and the address, start the broker and wait for it;
+    returns its exit code."""
+    bind = cast(str, args.bind)
+    port = cast(int, args.port)
+    overrides = cast("list[str]", args.overrides)
+    # the checker of `config check`: a bad value stops here, in one line
+    checked = profiles.load_checked(cast(str, args.board), overrides)
+    for issue in profiles.host_warnings(checked.report, bind):
+        print(f"edgebroker run: {issue}", file=sys.stderr)
+    runner.check_listen(bind, port)
     interpreter = cast(runner.Interpreter, args.interpreter)
     heap = cast("str | None", args.heap)
     if heap is not None and interpreter == "cpython":
@@ -110,7 +111,7 @@ def handle(args: argparse.Namespace) -> int:
 
     data_dir = cast("Path | None", args.data_dir)
     if data_dir is None:
-        data_dir = Path("data") / runner.board_name(board, profile)
+        data_dir = Path("data") / checked.name
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -121,13 +122,13 @@ def handle(args: argparse.Namespace) -> int:
         raise CommandError(f"broker script not found: {lib} (override with ${runner.LIB_ENV})")
 
     argv = runner.broker_command(
-        board=board,
-        port=cast(int, args.port),
-        bind=cast(str, args.bind),
+        board=checked.path,
+        port=port,
+        bind=bind,
         interpreter=interpreter,
         heap=heap,
         data_dir=data_dir,
-        overrides=cast("list[str]", args.overrides),
+        overrides=overrides,
         lib=lib,
     )
     return runner.run_foreground(argv)

@@ -1,0 +1,198 @@
+"""Bad input to the host commands: one line on stderr, no traceback, exit 2.
+
+- a profile value that `config check` refuses, wherever it enters (`--set`,
+  `--board FILE`, a board name) stops `run`, `emulate`, `build` and `flash`
+  before anything starts or is written, naming the key, the value and the
+  allowed range;
+- a port already in use (`run` and `emulate`, both interpreters), and the
+  broker's own one-line error passed through unchanged;
+- a heap too small for the build (`emulate`), saying the minimum;
+- a serial port that does not exist (`flash`);
+- a reader that goes away (`... | head`): the command stops quietly.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EDGEBROKER = Path(sys.executable).parent / "edgebroker"
+INTERPRETERS = ["cpython", "micropython"]
+
+
+def edgebroker(*args, env=None, timeout=60, **kw):
+    return subprocess.run([str(EDGEBROKER), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+def one_line_error(r, command):
+    """The result's stderr is exactly one `edgebroker COMMAND: error: ...` line, exit 2."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    errors = [x for x in lines if ": error: " in x]
+    assert len(errors) == 1, r.stderr
+    assert errors[0].startswith("edgebroker %s: error: " % command), r.stderr
+    return errors[0]
+
+
+@pytest.fixture
+def busy_port():
+    """A port with a listener on 127.0.0.1 for the whole test."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    yield s.getsockname()[1]
+    s.close()
+
+
+# ------------------------------------------------------- profile values
+@pytest.mark.parametrize("interp", INTERPRETERS)
+def test_run_set_max_clients_abc(interp, tmp_path):
+    """Was: the broker started and every CONNECT died in a TypeError."""
+    r = edgebroker("run", "--set", "max_clients=abc", "--interpreter", interp,
+                   "--data-dir", str(tmp_path / "d"))
+    line = one_line_error(r, "run")
+    assert 'max_clients = "abc": must be an integer in 1..65535' in line, line
+    assert not (tmp_path / "d").exists()  # stopped before anything was made
+
+
+@pytest.mark.parametrize("interp", INTERPRETERS)
+def test_run_set_storage_type_flash(interp):
+    """Was: a traceback."""
+    r = edgebroker("run", "--set", "storage_type=flash", "--interpreter", interp)
+    line = one_line_error(r, "run")
+    assert 'storage_type = "flash": must be one of "ram", "disc", "disc_only"' in line
+
+
+@pytest.mark.parametrize("interp", INTERPRETERS)
+def test_run_board_file_out_of_range_and_unknown_key(interp, tmp_path):
+    """Was: it started. Every error is on the one line."""
+    prof = json.loads((REPO / "boards" / "host.json").read_text())
+    prof.update({"max_clients": -1, "max_clientz": 4})
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(prof))
+    r = edgebroker("run", "--board", str(path), "--interpreter", interp)
+    line = one_line_error(r, "run")
+    assert "mine.json" in line
+    assert "max_clients = -1: must be 1..65535" in line
+    assert "max_clientz = 4: unknown key (did you mean max_clients?)" in line
+
+
+def test_build_set_max_clients_abc_writes_nothing(tmp_path):
+    """Was: exit 0, with "abc" written into dist/esp32/board.json."""
+    r = edgebroker("build", "esp32", "--set", "max_clients=abc", "--dist", str(tmp_path))
+    line = one_line_error(r, "build")
+    assert "esp32.json with --set" in line
+    assert 'max_clients = "abc": must be an integer in 1..65535' in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_refuses_what_config_check_refuses(tmp_path):
+    """Cross-key checks too: more clients than the esp32's sockets allow."""
+    r = edgebroker("build", "esp32", "--set", "max_clients=12", "--dist", str(tmp_path))
+    line = one_line_error(r, "build")
+    assert "max_clients = 12: must be <= 8 (sockets 10 - listener 1 - spare 1) on esp32" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("interp", INTERPRETERS)
+def test_emulate_set_bad_value(interp, tmp_path):
+    r = edgebroker("emulate", "esp32", "--set", "max_inflight=lots", "--interpreter", interp,
+                   "--data-dir", str(tmp_path / "d"))
+    line = one_line_error(r, "emulate")
+    assert 'max_inflight = "lots": must be an integer in ' in line
+    assert not (tmp_path / "d").exists()
+
+
+def test_flash_set_bad_value(tmp_path):
+    r = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--set", "maximum_qos=3",
+                   "--dist", str(tmp_path), "--dry-run")
+    line = one_line_error(r, "flash")
+    assert "maximum_qos = 3: must be 0..2" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------ port in use
+@pytest.mark.parametrize("interp", INTERPRETERS)
+def test_run_port_in_use(interp, busy_port, tmp_path):
+    """`run --board esp32` (a board name, as `make run BOARD=esp32` passes
+    it) on a port another process listens on."""
+    r = edgebroker("run", "--board", "esp32", "--port", str(busy_port), "--interpreter", interp,
+                   "--data-dir", str(tmp_path / "d"))
+    line = one_line_error(r, "run")
+    assert line == "edgebroker run: error: cannot listen on 127.0.0.1:%d: address in use" % busy_port
+
+
+@pytest.mark.parametrize("interp", INTERPRETERS)
+def test_emulate_port_in_use(interp, busy_port, tmp_path):
+    r = edgebroker("emulate", "esp32", "--port", str(busy_port), "--interpreter", interp,
+                   "--data-dir", str(tmp_path / "d"))
+    line = one_line_error(r, "emulate")
+    assert line.endswith("cannot listen on 127.0.0.1:%d: address in use" % busy_port)
+
+
+def test_run_passes_the_brokers_one_line_error_through(tmp_path):
+    """If the port is taken after the tools' own check, the broker's line
+    (docs/contract.md) and its exit code 2 reach the user unchanged.
+    $EDGEBROKER_LIB (the hook for testing the tools) stands for the broker."""
+    script = tmp_path / "taken.py"
+    script.write_text(
+        "import sys\n"
+        "port = sys.argv[sys.argv.index('--port') + 1]\n"
+        "print('edgebroker: error: cannot listen on 127.0.0.1:%s: address in use' % port,"
+        " file=sys.stderr)\n"
+        "sys.exit(2)\n")
+    env = dict(os.environ, EDGEBROKER_LIB=str(script))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # free for the tools' check
+    r = edgebroker("run", "--port", str(port), "--data-dir", str(tmp_path / "d"), env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "edgebroker: error: cannot listen on 127.0.0.1:%d: address in use" % port]
+
+
+# ---------------------------------------------------------- heap too small
+def test_emulate_heap_too_small_says_the_minimum(tmp_path):
+    r = edgebroker("emulate", "esp32", "--heap", "20k", "--port", "1",
+                   "--data-dir", str(tmp_path / "d"))
+    line = one_line_error(r, "emulate")
+    assert "--heap 20k (20,480 bytes) is too small for the esp32 build" in line
+    assert "needs at least" in line
+
+
+# ------------------------------------------------------------ serial port
+def test_flash_missing_serial_port(tmp_path):
+    secrets = tmp_path / "s.json"
+    secrets.write_text(json.dumps({"wifi_ssid": "lab", "wifi_password": "pw-12345678"}))
+    r = edgebroker("flash", "host", "--port", str(tmp_path / "ttyUSB9"), "--secrets", str(secrets),
+                   "--dist", str(tmp_path / "dist"))
+    line = one_line_error(r, "flash")
+    assert "serial port %s not found" % (tmp_path / "ttyUSB9") in line
+    assert not (tmp_path / "dist").exists()  # nothing built for a board that is not there
+
+
+# ------------------------------------------------------------ broken pipe
+@pytest.mark.parametrize("args", [
+    ["config", "show", "esp32"],
+    ["store", "inspect", "host_tests/data/good.ebrs", "--json"],
+    ["--help"],
+], ids=["config-show", "store-inspect-json", "help"])
+def test_closed_stdout_ends_quietly(args):
+    """`edgebroker ... | head`: the reader is gone before the first write."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([str(EDGEBROKER), *args], cwd=REPO, stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert r.stderr == "", r.stderr
+    assert r.returncode in (0, 1), r.returncode
