@@ -766,6 +766,14 @@ class FlashStore:
         # (header, body + crc) of the record at off, or None when it is not
         # a whole record with a good CRC (of body length blen if given).
         # Nothing beyond _CHUNK is allocated before the CRC is checked.
+        if 0 <= blen <= _CHUNK - 9:  # one read, as get() has the length
+            r = self._pread(off, blen + 9)
+            if len(r) != blen + 9 or unpack_from(">I", r, 1)[0] != blen:
+                return None
+            rest = memoryview(r)[5:]
+            if _crc32(rest[:blen], _crc32(memoryview(r)[:5])) & _U32 != unpack_from(">I", rest, blen)[0]:
+                return None
+            return r[:5], rest
         if off >= self._fend:  # in the write buffer: written by this run
             h = self._pread(off, 5)
             if len(h) != 5:
@@ -1631,11 +1639,12 @@ class FlashStore:
             kind, off, n, x = ev
             if kind == T_PUT:
                 st["records"] += 1
-                if not st["records"] & 127:
-                    # MicroPython: collect before the garbage of reading
-                    # spreads the messages kept over the whole heap, which
-                    # leaves no block for the next index chunk (measured:
-                    # MemoryError for 3 KB with 1.1 MB free)
+                if msgs is not None and not st["records"] & 127:
+                    # MicroPython, "disc": collect before the garbage of
+                    # reading spreads the messages kept over the whole heap,
+                    # which leaves no block for the next index chunk
+                    # (measured: MemoryError for 3 KB with 1.1 MB free).
+                    # "disc_only" keeps no object per message: no need.
                     _collect()
                 p, topic = x
                 tb, qos, flags, rem, stime, wall, props, payload = p
