@@ -24,8 +24,9 @@ Rules (docs/retained.md), named in every test:
               store compacting under a paced delivery; live traffic
               overflowing the session queue during one.
 
-The store file is read with edgestore's own reader (inspect() and
-decode_put()) on a snapshot copy, never with a second parser. Every test
+The store file is read with edgestore's own reader (replay(), through
+the host tools' store_report.inspect(), and decode_put()) on a snapshot
+copy, never with a second parser. Every test
 runs under CPython and the MicroPython unix port (the interp fixture).
 """
 
@@ -78,6 +79,9 @@ if str(REPO / "lib") not in sys.path:
 
 import edgestore as es  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tools"))
+from edgebroker_tools.commands import store_report  # noqa: E402
+
 STORE_FILE = "retained.ebrs"
 FLASH = pytest.mark.parametrize("storage", ["disc", "disc_only"])
 BIG = {"max_retained_messages": 0, "store_budget_bytes": 64 * 1024 * 1024}
@@ -107,7 +111,7 @@ def stored_values(path, tmp_dir):
         return {}
     snap = Path(tmp_dir) / "snapshot.ebrs"
     snap.write_bytes(data)
-    rep = es.inspect(str(snap))
+    rep = store_report.inspect(es, str(snap))
     assert rep["header"]["kind"] == "ok", rep
     out = {}
     for ent in rep["live"] + rep["expired"]:
@@ -930,7 +934,7 @@ def test_compaction_during_paced_delivery_keeps_every_topic_once_D9_S1_S3(
     changes = [(t, b"v1", b"") for t in ahead] + [(t, b"v2", b"") for t in ahead]
     changes += [(t, b"", b"") for t in sorted(deleted)]
     sliding_publish(sub, changes)  # PUBLISHes arriving meanwhile are stashed, not acked
-    rep = es.inspect(str(store_path(b)))
+    rep = store_report.inspect(es, str(store_path(b)))
     assert rep["records"] < n + len(changes) and rep["file_bytes"] < size_before * 2, (
         "no compaction happened: %d records, %d bytes" % (rep["records"], rep["file_bytes"]))
     for pid in outstanding:

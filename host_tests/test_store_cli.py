@@ -115,3 +115,78 @@ def test_inspect_text() -> None:
 def test_missing_file_is_a_usage_error() -> None:
     r = cli("check", str(DATA / "no-such.ebrs"))
     assert r.returncode == 2 and "no such store file" in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# store_report.inspect(): the host-only reader over edgestore.replay()
+
+sys.path.insert(0, str(REPO / "lib"))
+sys.path.insert(0, str(REPO / "tools"))
+
+import edgestore as es  # noqa: E402
+
+from edgebroker_tools.commands import store_report  # noqa: E402
+
+
+def test_inspect_reports_like_open() -> None:
+    """inspect() decides as FlashStore's open: torn tail, expiry (E4), corrupt."""
+    r = store_report.inspect(es, str(DATA / "torn_tail.ebrs"), wall_now=1700000500)
+    assert r["status"] == "torn" and r["damaged"] is True and r["torn_offset"] == 401
+    assert [e["topic"] for e in r["live"]] == LIVE
+    door = r["live"][2]
+    assert door["remaining"] == 3100 and door["expires_at"] == 1700003600
+    assert [e["topic"] for e in r["expired"]] == ["status/boot"]
+    r = store_report.inspect(es, str(DATA / "good.ebrs"))
+    assert r["status"] == "ok" and not r["damaged"] and r["dead_bytes"] == 164
+    assert r["live"][2]["remaining"] == 3330
+    assert store_report.inspect(es, str(DATA / "bad_magic.ebrs"))["status"] == "bad_magic"
+    future = store_report.inspect(es, str(DATA / "future_version.ebrs"))
+    assert future["status"] == "future_version"
+    corrupt = store_report.inspect(es, str(DATA / "corrupt_record.ebrs"))
+    assert corrupt["corrupt_offsets"] == [137]
+
+
+def _store(path: Path, n: int, payload: bytes = b"v" * 40) -> None:
+    st = es.FlashStore(str(path), "disc_only", capacity=n)
+    for i in range(n):
+        t = f"sensor/{i}/value"
+        st.put(t, (t, t.encode(), payload, 1, b"", 0, 0))
+    st.close()
+
+
+def test_inspect_and_open_agree_after_a_bad_length(tmp_path: Path) -> None:
+    """A bad length in the first record (issue 14): inspect and open both
+    resynchronise at the next good record and keep the same messages."""
+    path = tmp_path / "r.ebrs"
+    _store(path, 50)
+    raw = bytearray(path.read_bytes())
+    raw[9:13] = (len(raw) - 30).to_bytes(4, "big")
+    path.write_bytes(bytes(raw))
+    rep = store_report.inspect(es, str(path))
+    assert rep["status"] == "corrupt" and rep["corrupt_offsets"] == [8]
+    assert rep["torn_bytes"] == 0
+    copy = tmp_path / "copy.ebrs"
+    copy.write_bytes(bytes(raw))
+    st = es.FlashStore(str(copy), "disc_only", capacity=64)
+    opened = sorted(m[0] for m in st.messages())
+    st.close()
+    assert sorted(e["topic"] for e in rep["live"]) == opened
+    assert len(opened) == 49 and "sensor/0/value" not in opened
+    r = cli("check", str(path))
+    assert r.returncode == 1 and "1 corrupt record(s) at offset 8" in r.stdout
+
+
+def test_inspect_json_piped_into_head_prints_no_traceback(tmp_path: Path) -> None:
+    """`store inspect --json | head` ends quietly when head stops reading."""
+    path = tmp_path / "big.ebrs"
+    _store(path, 3000)
+    r = subprocess.run(
+        f"'{EDGEBROKER}' store inspect '{path}' --json | head -n 3",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.stdout.splitlines()[0] == "{"
+    assert r.stderr == "", r.stderr

@@ -5,9 +5,10 @@
 #
 # Sections:
 #   1. compat        the only place that knows there are two interpreters
-#   2. format        constants, record encoding and the shared file reader
+#   2. format        constants, record encoding and the one file reader
+#                    (replay(): FlashStore's open and the host tools'
+#                    inspect, tools/edgebroker_tools/commands/store_report.py)
 #   3. FlashStore    the store (RamStore's interface plus open/compaction)
-#   4. inspect       a read-only report of a store file (host tools)
 #
 # ------------------------------------------------------------------ FORMAT
 # A store file, readable in a hex dump (all integers big-endian):
@@ -70,20 +71,75 @@
 # may be torn. Opening keeps every record before the torn one, ignores the
 # rest and rewrites the file (a compaction) before its next write, so a
 # torn tail is never followed by good records. A record with a bad CRC whose
-# length still leads to a good record (or the end) is skipped and counted;
-# otherwise everything from it on counts as a torn tail (no byte-by-byte
-# resync: a payload may itself contain a well-formed record, and recovery
-# must never invent one).
+# length still leads to a good record (or the end) is skipped and counted.
+# A bad length (a record running past the end, or one whose end leads
+# nowhere) is resynchronised: the first later offset where a record of a
+# known type starts whose chain of good records reaches the end of the file
+# exactly. A payload may itself hold well-formed records, but a chain of
+# them cannot end exactly at the end of the file (the record holding them
+# ends with its own CRC), so recovery never invents a record. The search is
+# bounded (about twice the bytes after the bad record, plus 64 KB); what it
+# cannot place counts as a torn tail. The skipped bytes count as corrupt.
+# Reading never allocates by a length field before the CRC vouches for it:
+# records longer than 512 bytes are checked through 512-byte reads (a
+# 4-byte corruption used to make a MicroPython start fail by MemoryError,
+# a boot loop).
+# Bytes opening could not parse (corrupt records, resynchronised gaps, a
+# torn tail longer than the write buffer, which one cut write cannot leave)
+# are never compacted away without a copy: the first compaction after such
+# an open renames the old file to <path>.bad (replacing an older one)
+# before renaming the new one in; a cut between the two renames is the FAT
+# case below.
 # Compaction streams every live record (one at a time) into <path>.new,
 # appends a CLOCK marker, flushes, fsyncs, closes, then renames it over the
 # file (atomic on littlefs and POSIX; CPython also fsyncs the directory). A
 # leftover .new at open is deleted: the old file is intact. If rename cannot
 # replace (FAT), the old file is removed first; at open a missing file with a
 # complete .new means exactly that cut, and the .new is adopted.
-# A file that cannot be read at all (bad magic, a future version) is renamed
-# to <path>.bad and the store starts empty, saying so through log; opening
-# never raises on a bad file. A 0..7 byte file that is a prefix of the header
-# is a store whose creation was cut: it starts empty quietly.
+# A file that cannot be opened at all (bad magic, a future version, a
+# MemoryError while loading it, a directory in its place) is renamed to
+# <path>.bad and the store starts empty, saying so through log; opening
+# never raises on a bad file. A 0..7 byte file that is a prefix of the
+# header is a store whose creation was cut: it starts empty quietly.
+#
+# ---------------------------------------------------------------- FAILURES
+# A write that fails (flash full, I/O error) at put(), delete(), expire() or
+# commit(): put() and delete() never raise OSError (the broker would cut the
+# client without a reason code); the error waits, and the next commit()
+# raises it, which the broker handles by never sending the acknowledgements
+# that waited and disconnecting those clients (5.0: 0x80), who resend
+# (MQTT-4.4.0-1). Until that commit, puts are dropped and deletes report
+# True (their acknowledgement waits for the failing commit). Before raising,
+# commit() rolls the store back to its last durable state: every index
+# change since the last successful commit is undone from a small undo list
+# (newest first), the counters are restored, and the file handle is opened
+# again (CPython's buffered file would retry the failed write at every
+# seek, failing every read). The bytes after the durable end are unknown,
+# so the next write rewrites the file (compaction) first; while the disk
+# stays full each commit fails the same way, and the first one after space
+# returns succeeds: nothing acknowledged is lost, nothing unacknowledged is
+# half kept.
+# A data directory that cannot be written (a read-only filesystem: OSError
+# 30; no space to create the file) opens the store read_only: what the file
+# holds is loaded into RAM (as "disc" mode, whatever the mode), changes
+# stay in RAM, nothing is written, durable is False (the broker acknowledges
+# at once, as with "ram") and degraded names the cause; it logs one error
+# line. The broker reports it in its log and under $SYS.
+#
+# -------------------------------------------------------------- INDEX HASH
+# The index hash is keyed: the first 3 bytes of SHA-256(key + topic), with
+# a key of 8 random bytes drawn at every open (os.urandom). The hash lives
+# only in RAM (the index is rebuilt from the records at every open), so the
+# key is never written and the format does not change; a new key at every
+# start also means a set of topics tuned against one run is ordinary for
+# the next. (Format 1 used CRC-32, which anyone can make collide: 7,500
+# colliding retained topics took 262 s of broker CPU, and a restart with
+# them 127 s, because every put and every open re-read each earlier record
+# with the same hash.) With a keyed hash the chains are as long as chance
+# makes them, about 4 slots a bucket, whatever topics are chosen. SHA-256
+# is in hashlib on every MicroPython port's default build and in C:
+# 1.2 us a topic on the unix port (CRC-32: 0.25 us). A build without
+# hashlib falls back to CRC-32, whose collisions no key hides.
 #
 # ---------------------------------------------------------------- MEMORY
 # Slots are numbered; slot s lives in chunk s >> 8 of an index made of
@@ -94,7 +150,7 @@
 # one large block: on MicroPython a large contiguous allocation is what fails
 # first. Chunks are preallocated for `capacity` at open (when the heap is
 # calm) and added one at a time beyond it. "disc_only" keeps only this index:
-# 12 bytes per slot + about 1 for its bucket (measured: 14.6 bytes of heap
+# 12 bytes per slot + about 1 for its bucket (measured: 14.8 bytes of heap
 # per retained message at 2,000, 64-bit unix port); a get() reads the record
 # (verifying topic and CRC). "disc" adds one list chunk per 256
 # slots holding the message tuples, so reads never touch flash.
@@ -114,11 +170,33 @@ from struct import pack, pack_into, unpack_from
 
 try:
     from micropython import const
+    from gc import collect as _collect  # a calm heap while the index grows
 except ImportError:  # CPython
     def const(x):
         return x
 
+    def _collect():
+        pass
+
 _crc32 = binascii.crc32
+
+try:  # keyed index hash (INDEX HASH); hashlib is in every port's default build
+    from hashlib import sha256 as _sha256
+except ImportError:
+    _sha256 = None
+
+
+def _new_key():
+    # 8 random bytes: the index hash key of one open store
+    try:
+        return os.urandom(8)
+    except (AttributeError, OSError, NotImplementedError):
+        pass
+    try:
+        import random
+        return pack(">II", random.getrandbits(30), random.getrandbits(30))
+    except (ImportError, AttributeError):
+        return pack(">d", _default_clock()())
 _fsync = getattr(os, "fsync", None)       # CPython; MicroPython flush() syncs
 _rename = getattr(os, "replace", os.rename)  # CPython's os.rename may not replace
 
@@ -203,6 +281,12 @@ class Fs:
     def sync_dir(self, path):
         _sync_dir(path)
 
+    def isdir(self, path):
+        try:
+            return os.stat(path)[0] & 0o170000 == 0o040000
+        except OSError:
+            return False
+
 
 # ---------------------------------------------------------------- 2. format
 MAGIC = b"EBRS"
@@ -216,10 +300,18 @@ F_EXP = const(2)       # has a lifetime
 PUT_OVERHEAD = const(29)  # record bytes beyond topic + props + payload
 CLOCK_SIZE = const(17)
 
+EV_BAD = const(-1)     # replay() events beyond the record types
+EV_TORN = const(-2)
+INDEX_CHUNK = const(256)  # index slots per chunk (the host tools' heap model)
+
 _HDR = const(8)
-_OK = const(0)
+_OK = const(0)         # scan() statuses
 _BAD = const(1)
 _TORN = const(2)
+_CRC = const(3)        # _check(): a whole record with a bad CRC
+_PAST = const(4)       # _check(): its length runs past the end
+_CHUNK = const(512)    # the largest read made before a CRC vouches for a length
+_KNOWN = (b"P", b"D", b"C")
 
 _CH = const(256)       # slots per index chunk
 _CH2 = const(512)
@@ -236,22 +328,17 @@ def _buckets(nb):
     return [_zeros(_BCH) for _ in range(nb // _BCH)]
 
 
-def topic_hash(tb):
-    """30-bit stable hash of topic bytes: 10 bits of the first level's
-    CRC-32 above 20 bits of the whole topic's. CRC-32 runs in C on both
-    interpreters and, unlike a per-byte FNV loop, makes no big ints on
-    32-bit boards; values stay below 2**30 (MicroPython small ints)."""
-    i = tb.find(b"/")
-    if i < 0:
-        c = f = _crc32(tb)
-    else:
-        f = _crc32(tb[:i])
-        c = _crc32(tb[i:], f)  # crc32 of the whole topic, continued
-    return (f & 0x3FF) << 20 | (c & 0xFFFFF)
-
-
-def _first_hash(level):
-    return _crc32(level.encode()) & 0x3FF
+if _sha256 is not None:
+    def _kh(key, b):
+        """24-bit keyed hash of bytes b (module comment, INDEX HASH): the
+        first bytes of SHA-256(key + b), a small int on every port."""
+        h = _sha256(key)
+        h.update(b)
+        d = h.digest()
+        return d[0] << 16 | d[1] << 8 | d[2]
+else:  # a build without hashlib: CRC-32, unkeyed in effect (INDEX HASH)
+    def _kh(key, b):
+        return _crc32(b, key[0] << 8 | key[1]) & 0xFFFFFF
 
 
 def header_kind(head, size):
@@ -295,85 +382,214 @@ def put_parts(tb, qos, flags, remaining, stime, wall, props, payload):
             props, payload)
 
 
-def decode_put(b, blen):
+def decode_put(b, blen, head=False):
     """(topic bytes, qos, flags, remaining, stime, wall, props, payload) of a
-    PUT body (bytes or memoryview), or None when its fields do not fit."""
-    if blen < 20:
+    PUT body (bytes or memoryview) of blen bytes, or None when its fields do
+    not fit. head: b may hold only the first 20 + topic length bytes; props
+    and payload are then None (their lengths are checked all the same)."""
+    if blen < 20 or len(b) < 2:
         return None
     tl = b[0] << 8 | b[1]
-    if 20 + tl > blen:
+    if 20 + tl > blen or 20 + tl > len(b):
         return None
     qos, flags, rem, st, wall, pl = unpack_from(">BBIIII", b, 2 + tl)
     j = 20 + tl
     if j + pl > blen or qos > 2:
+        return None
+    if head:
+        return bytes(b[2:2 + tl]), qos, flags, rem, st, wall, None, None
+    if len(b) < blen:
         return None
     # bytes() copies a memoryview's slice and returns a bytes slice as it is
     return (bytes(b[2:2 + tl]), qos, flags, rem, st, wall, bytes(b[j:j + pl]),
             bytes(b[j + pl:blen]))
 
 
-def _put_topic(b, blen):
-    """decode_put() and the topic as text: (fields, topic), or None for a
-    record that is not a well-formed PUT (open and inspect skip it alike)."""
-    p = decode_put(b, blen)
-    if p is not None:
-        try:
-            return p, str(p[0], "utf-8")
-        except UnicodeError:
-            pass
-    return None
-
-
-def _valid_at(f, pos, size):
-    # is there a whole record with a good CRC at pos?
+def _check(f, pos, size):
+    """Is there a whole record with a good CRC at pos (file length size)?
+    (status, type, body length, data): status _OK, _CRC (whole, bad CRC)
+    or _PAST (its length runs past size, or < 9 bytes are left). data is
+    body + crc when the record fits one _CHUNK read, else None: a longer one
+    is checked through _CHUNK-byte reads. So however wrong a length field
+    is, nothing larger than _CHUNK is allocated before the CRC vouches for
+    it (issue 14: a 4-byte corruption must not make open fail by
+    MemoryError on a board, a boot loop)."""
     if size - pos < 9:
-        return False
+        return _PAST, 0, 0, None
     f.seek(pos)
     h = f.read(5)
+    if len(h) != 5:
+        return _PAST, 0, 0, None
+    rt = h[0]
     blen = unpack_from(">I", h, 1)[0]
-    if pos + 9 + blen > size:
-        return False
-    rest = f.read(blen + 4)
-    if len(rest) != blen + 4:
-        return False
-    return _crc32(memoryview(rest)[:blen], _crc32(h)) & _U32 == unpack_from(">I", rest, blen)[0]
+    if blen > size - pos - 9:
+        return _PAST, rt, blen, None
+    crc = _crc32(h)
+    if blen + 4 <= _CHUNK:
+        data = f.read(blen + 4)
+        if len(data) != blen + 4:
+            return _PAST, rt, blen, None
+        if _crc32(memoryview(data)[:blen], crc) & _U32 == unpack_from(">I", data, blen)[0]:
+            return _OK, rt, blen, data
+        return _CRC, rt, blen, None
+    left = blen
+    while left:
+        n = left if left < _CHUNK else _CHUNK
+        b = f.read(n)
+        if len(b) != n:
+            return _PAST, rt, blen, None
+        crc = _crc32(b, crc)
+        left -= n
+    b = f.read(4)
+    if len(b) != 4:
+        return _PAST, rt, blen, None
+    if crc & _U32 == unpack_from(">I", b, 0)[0]:
+        return _OK, rt, blen, None
+    return _CRC, rt, blen, None
+
+
+def _chain(f, pos, size, budget):
+    # (reaches the end, bytes read): do whole records with good CRCs lead
+    # from pos exactly to the end of the file?
+    used = 0
+    while pos < size:
+        st, _, blen, _ = _check(f, pos, size)
+        used += blen + 9 if st == _OK else 9
+        if st != _OK or used > budget:
+            return False, used
+        pos += blen + 9
+    return True, used
+
+
+def _resync(f, pos, size):
+    """The first offset after pos where a record of a known type starts
+    whose chain of good records reaches the end of the file exactly, or -1.
+    A payload may itself hold well-formed records; a chain of them cannot
+    end exactly at the end of the file (the record holding them ends with
+    its own CRC), so recovery never invents a record. Bounded work: about
+    twice the bytes after pos, plus 64 KB, are read; then it gives up (the
+    rest counts as torn, and the file is kept as .bad before any
+    compaction drops it)."""
+    budget = 2 * (size - pos) + 65536
+    q = pos + 1
+    while size - q >= 9 and budget > 0:
+        f.seek(q)
+        w = f.read(_CHUNK)
+        budget -= len(w)
+        lim = len(w) - 4  # a header needs 5 bytes of the window
+        if lim <= 0:
+            break
+        i = 0
+        while i < lim:
+            j = -1
+            for t in _KNOWN:
+                k = w.find(t, i, lim)
+                if k >= 0 and (j < 0 or k < j):
+                    j = k
+            if j < 0:
+                break
+            c = q + j
+            if unpack_from(">I", w, j + 1)[0] <= size - c - 9:
+                ok, used = _chain(f, c, size, budget)
+                budget -= used
+                if ok:
+                    return c
+                if budget <= 0:
+                    return -1
+            i = j + 1
+        q += lim
+    return -1
 
 
 def scan(f, size, pos=_HDR):
-    """The one reader of store files (FlashStore's open and inspect()).
-    Yields (offset, type, data, status) from pos to size: status _OK with
-    data = body + crc (the body is data[:len(data) - 4]); _BAD for a record
-    with a bad CRC that is skipped (data None); _TORN last, for the torn
-    tail or the unreadable rest of the file (data None). It seeks before
-    every read, so the caller may read elsewhere between records."""
+    """The raw record walk: yields (offset, type, data, status) from pos to
+    size: status _OK with data = body + crc (the body is data[:len(data) -
+    4]); _BAD for a record with a bad CRC whose length leads to a good
+    record or the end (skipped, data None); _TORN last, for the rest of the
+    file when neither holds (data None). No resynchronisation: replay()
+    adds it. It seeks before every read, so the caller may read elsewhere
+    between records."""
     while pos < size:
-        if size - pos < 9:
-            yield pos, 0, None, _TORN
-            return
-        f.seek(pos)
-        h = f.read(5)
-        if len(h) != 5:
-            yield pos, 0, None, _TORN
-            return
-        rt = h[0]
-        blen = unpack_from(">I", h, 1)[0]
+        st, rt, blen, data = _check(f, pos, size)
         end = pos + 9 + blen
-        if end > size:
-            yield pos, rt, None, _TORN
-            return
-        rest = f.read(blen + 4)
-        if len(rest) != blen + 4:
-            yield pos, rt, None, _TORN
-            return
-        if _crc32(memoryview(rest)[:blen], _crc32(h)) & _U32 == unpack_from(">I", rest, blen)[0]:
-            yield pos, rt, rest, _OK
+        if st == _OK:
+            if data is None:  # checked: its length is now trusted
+                f.seek(pos + 5)
+                data = f.read(blen + 4)
+            yield pos, rt, data, _OK
             pos = end
-        elif end == size or _valid_at(f, end, size):
+        elif st == _CRC and (end == size or _check(f, end, size)[0] == _OK):
             yield pos, rt, None, _BAD
             pos = end
         else:
             yield pos, rt, None, _TORN
             return
+
+
+def replay(f, size, full=True):
+    """The one reader of store files: FlashStore's open and the host tools'
+    inspect decide everything through it. Yields events (kind, offset,
+    bytes, x) in file order:
+      T_PUT    x = (fields, topic str): fields as decode_put(); props and
+               payload are None unless full (disc_only never reads them)
+      T_DEL    x = topic bytes
+      T_CLOCK  x = (stime, wall)
+      any other type of a good record: x = None (an unknown record, skipped)
+      EV_BAD   bytes that are not a good record: a record with a bad CRC
+               whose length leads to a good one (or the end), a malformed
+               PUT, or the bytes skipped to resynchronise after a bad length
+               (the next record whose chain of good records reaches the end)
+      EV_TORN  the rest of the file, last: a torn tail (or what could not be
+               resynchronised within its bounded work)"""
+    pos = _HDR
+    while pos < size:
+        st, rt, blen, data = _check(f, pos, size)
+        end = pos + 9 + blen
+        if st == _OK:
+            yield _event(f, pos, rt, blen, data, full)
+            pos = end
+            continue
+        if st == _CRC and (end == size or _check(f, end, size)[0] == _OK):
+            yield EV_BAD, pos, blen + 9, None
+            pos = end
+            continue
+        q = _resync(f, pos, size)
+        if q < 0:
+            yield EV_TORN, pos, size - pos, None
+            return
+        yield EV_BAD, pos, q - pos, None
+        pos = q
+
+
+def _event(f, pos, rt, blen, data, full):
+    # one replay() event for the good record at pos (its CRC vouches for
+    # its length: reading by it is safe now)
+    n = blen + 9
+    if rt == T_PUT:
+        if data is None:
+            f.seek(pos + 5)
+            if full:
+                data = f.read(blen + 4)
+            else:  # the head only: 20 + topic length bytes
+                h = f.read(2)
+                tl = h[0] << 8 | h[1] if len(h) == 2 else blen
+                f.seek(pos + 5)
+                data = f.read(20 + tl if 20 + tl <= blen else 2)
+        p = decode_put(data, blen, not full)
+        if p is not None:
+            try:
+                return T_PUT, pos, n, (p, str(p[0], "utf-8"))
+            except UnicodeError:
+                pass
+        return EV_BAD, pos, n, None
+    if rt == T_DEL:
+        if data is None:
+            f.seek(pos + 5)
+            data = f.read(blen)
+        return T_DEL, pos, n, bytes(data[:blen])
+    if rt == T_CLOCK and blen >= 8:
+        return T_CLOCK, pos, n, unpack_from(">II", data, 0)
+    return rt, pos, n, None
 
 
 def _matches(flevels, topic):
@@ -402,13 +618,14 @@ class FlashStore:
 
       get(topic) -> msg or None       put(topic, msg)     delete(topic) -> bool
       match(filter levels) -> iterator of msgs, safe while the store changes
-      count, nbytes                   durable = True
+      count, nbytes                   durable
       commit()                        expire(now, budget) -> removed
       close()
     and beyond it: compact(), messages(), stats(), open_stats (what opening
     found: records, live, dead_bytes, torn_bytes, corrupt, skipped_unknown,
-    expired, moved_aside, created), bytes_written (every byte written to
-    flash, compaction included), compactions, dead_bytes, file_bytes.
+    expired, moved_aside, created), bytes_written (every byte
+    written to flash, compaction included), compactions, dead_bytes,
+    file_bytes, read_only and degraded (below).
 
     A message is the broker's tuple: (topic str, topic bytes, payload bytes,
     qos, forwarded 5.0 property bytes, expiry deadline in `clock` seconds or
@@ -420,9 +637,16 @@ class FlashStore:
     board clock was never set. log(level, text): where open and compaction
     report. fs: filesystem calls (Fs). mark_interval: seconds between CLOCK
     markers. buffer_size: the write buffer (bigger records go straight out).
-    A write error marks the file as torn: the next write rewrites it."""
+
+    Failures (FAILURES in the module comment): put() and delete() never
+    raise OSError; a failed write makes the next commit() raise it, after
+    rolling the store back to its last durable state. A data directory that
+    cannot be written opens read_only: durable is then False, the messages
+    live in RAM, degraded names the cause (for the broker's log and $SYS)."""
 
     durable = True
+    read_only = False
+    degraded = None
 
     def __init__(self, path, mode="disc", capacity=1000, clock=None, wallclock=None,
                  compact_ratio=0.5, compact_min_bytes=4096, log=None, fs=None,
@@ -434,10 +658,11 @@ class FlashStore:
         self._fs = fs if fs is not None else Fs()
         self._clock = clock if clock is not None else _default_clock()
         self._wallf = wallclock if wallclock is not None else _no_wall
-        self._ratio = compact_ratio
-        self._min = compact_min_bytes
+        # (compact_ratio, compact_min_bytes, mark_interval): one attribute,
+        # not three (a MicroPython instance's attribute table grows in steps)
+        self._cfg = (compact_ratio, compact_min_bytes, mark_interval)
         self._logf = log
-        self._mark_every = mark_interval
+        self._key = _new_key()  # the index hash key (INDEX HASH)
         self.count = 0
         self.nbytes = 0
         self.bytes_written = 0
@@ -450,6 +675,10 @@ class FlashStore:
         self._wn = 0            # bytes waiting in _wb (offsets _fend + i)
         self._unsynced = False
         self._torn = False      # bytes after _fend: rewrite before writing
+        self._fail = None       # the write error since the last commit
+        # changes since the last durable point, None while there are none:
+        # [(count, nbytes, _live, _nexp, _fend) there, undo entries...]
+        self._undo = None
         self._skip = 0          # dead bytes below which compaction waits (after a failure)
         self._flen = 0          # body length of the record _find last verified
         self._sweep = 0
@@ -476,6 +705,18 @@ class FlashStore:
     def _log(self, level, text):
         if self._logf is not None:
             self._logf(level, text)
+
+    def _th(self, tb):
+        """30-bit index hash of topic bytes: 10 bits of the first level's
+        keyed hash above 20 bits of the whole topic's (INDEX HASH)."""
+        i = tb.find(b"/")
+        c = _kh(self._key, tb)
+        f = c if i < 0 else _kh(self._key, tb[:i])
+        return (f & 0x3FF) << 20 | (c & 0xFFFFF)
+
+    def _fh(self, level):
+        # the first-level part of _th() for a filter's first level
+        return _kh(self._key, level.encode()) & 0x3FF
 
     def _alloc_buckets(self):
         self._bk = _buckets(self._nb)
@@ -522,27 +763,35 @@ class FlashStore:
         return f.read(n)
 
     def _raw(self, off, blen=-1):
-        # (header, body + crc) of the record at off, or None on a bad CRC;
-        # one read when the body length is known (_find just read it)
-        if blen >= 0:
+        # (header, body + crc) of the record at off, or None when it is not
+        # a whole record with a good CRC (of body length blen if given).
+        # Nothing beyond _CHUNK is allocated before the CRC is checked.
+        if 0 <= blen <= _CHUNK - 9:  # one read, as get() has the length
             r = self._pread(off, blen + 9)
-            if len(r) != blen + 9:
+            if len(r) != blen + 9 or unpack_from(">I", r, 1)[0] != blen:
                 return None
-            h = r[:5]
             rest = memoryview(r)[5:]
-            if unpack_from(">I", h, 1)[0] != blen:
+            if _crc32(rest[:blen], _crc32(memoryview(r)[:5])) & _U32 != unpack_from(">I", rest, blen)[0]:
                 return None
-        else:
+            return r[:5], rest
+        if off >= self._fend:  # in the write buffer: written by this run
             h = self._pread(off, 5)
             if len(h) != 5:
                 return None
-            blen = unpack_from(">I", h, 1)[0]
-            rest = self._pread(off + 5, blen + 4)
-            if len(rest) != blen + 4:
+            n = unpack_from(">I", h, 1)[0]
+            if (blen >= 0 and n != blen) or off + 9 + n > self._fend + self._wn:
                 return None
-        if _crc32(memoryview(rest)[:blen], _crc32(h)) & _U32 != unpack_from(">I", rest, blen)[0]:
+            rest = self._pread(off + 5, n + 4)
+            if _crc32(memoryview(rest)[:n], _crc32(h)) & _U32 != unpack_from(">I", rest, n)[0]:
+                return None
+            return h, rest
+        st, rt, n, data = _check(self._f, off, self._fend)
+        if st != _OK or (blen >= 0 and n != blen):
             return None
-        return h, rest
+        if data is None:
+            self._f.seek(off + 5)
+            data = self._f.read(n + 4)
+        return pack(">BI", rt, n), data
 
     def _head(self, off):
         # (record length, flags, remaining, stime, wall) of a PUT, two small reads
@@ -592,6 +841,11 @@ class FlashStore:
             if s >> 8 >= len(self._ix):
                 self._add_chunk()
             self._hi = s + 1
+        self._link(s, th)
+        return s
+
+    def _link(self, s, th):
+        # slot s takes hash th and goes to the head of its chain
         c = self._ix[s >> 8]
         k = s & 255
         c[k] = th
@@ -599,7 +853,6 @@ class FlashStore:
         bc = self._bk[b >> 10]
         c[_CH2 + k] = bc[b & 1023]
         bc[b & 1023] = s + 1
-        return s
 
     def _unlink(self, s):
         # takes slot s out of its chain and onto the free list
@@ -627,6 +880,22 @@ class FlashStore:
         if self._msgs is not None:
             self._msgs[s >> 8][k] = None
 
+    def _unfree(self, s):
+        # takes the free slot s off the free list (undo of a delete)
+        ix = self._ix
+        nxt = ix[s >> 8][_CH2 + (s & 255)]
+        p = self._free - 1
+        if p == s:
+            self._free = nxt
+            return
+        while p >= 0:
+            pc = ix[p >> 8]
+            n = pc[_CH2 + (p & 255)] - 1
+            if n == s:
+                pc[_CH2 + (p & 255)] = nxt
+                return
+            p = n
+
     def _forget(self, s, size):
         # the slot's message is gone (delete, expiry, drop): counters + unlink
         if self._ix[s >> 8][_CH + (s & 255)] & _OEXP:
@@ -635,6 +904,71 @@ class FlashStore:
         self.count -= 1
         self._live -= size
         self.nbytes -= size - PUT_OVERHEAD
+
+    def _begin(self):
+        # the first change since the durable point: remember that point
+        if self._undo is None:
+            self._undo = [(self.count, self.nbytes, self._live, self._nexp, self._fend)]
+
+    def _note(self, s, new):
+        # records how to undo a change of slot s (FAILURES): new = the slot
+        # was empty before; else its hash, offset word and message
+        self._begin()
+        if new:
+            self._undo.append((s, -1, 0, None))
+        else:
+            c = self._ix[s >> 8]
+            k = s & 255
+            self._undo.append((s, c[k], c[_CH + k],
+                               self._msgs[s >> 8][k] if self._msgs is not None else None))
+
+    def _durable(self):
+        # everything in RAM is in the file, synced: the rollback point
+        self._undo = None
+
+    def _rollback(self):
+        """Back to the last durable state after a failed write: the index
+        (undone change by change, newest first), the counters, the logical
+        end of the file. The bytes after it are unknown (torn): the next
+        write rewrites the file first. The file is opened again, so that
+        nothing a failed write left buffered is retried (CPython's buffered
+        files retry it at every seek, which made reads fail)."""
+        u = self._undo
+        self._undo = None
+        if u is None:
+            u = [(self.count, self.nbytes, self._live, self._nexp, self._fend)]
+        ix = self._ix
+        msgs = self._msgs
+        i = len(u)
+        while i > 1:
+            i -= 1
+            s, th, o, m = u[i]
+            c = ix[s >> 8]
+            k = s & 255
+            if c[_CH + k]:
+                self._unlink(s)
+            if th >= 0:
+                self._unfree(s)
+                self._link(s, th)
+                c[_CH + k] = o
+                if msgs is not None:
+                    msgs[s >> 8][k] = m
+        self.count, self.nbytes, self._live, self._nexp, self._fend = u[0]
+        self._wn = 0
+        self._torn = True
+        self._unsynced = False
+        self._fail = None
+        f = self._f
+        if f is not None and f is not True:
+            try:
+                f.close()
+            except Exception:
+                pass  # the failed write once more: the fd is closed all the same
+            self._f = None
+            try:
+                self._f = self._fs.open(self.path, "r+b")
+            except OSError as e:
+                self._log("error", "%s: cannot reopen (%r)" % (self.path, e))
 
     def _rethread(self):
         # rebuilds every chain and the free list from the hash and offset
@@ -691,18 +1025,32 @@ class FlashStore:
             self._wn = 0
 
     def _emit(self, rt, parts):
-        # appends a record; returns its logical offset
+        # appends a record; returns its logical offset, or -1 when it cannot
+        # be written (the error waits in _fail for commit(): FAILURES)
+        if self.read_only:
+            return 1  # RAM only: a non-zero offset word that is never read
+        if self._fail is not None:
+            return -1
         blen = 0
         for p in parts:
             blen += len(p)
         n = blen + 9
         wb = self._wb
+        self._begin()
         if self._wn + n > len(wb):
-            self._flush_buf()
-        if n > len(wb):
-            off = self._fend
-            self._write(encode(rt, parts))
-            return off
+            try:
+                if self._torn:
+                    self.compact()  # never append after unknown bytes
+                    self._begin()
+                self._flush_buf()
+                if n > len(wb):
+                    off = self._fend
+                    self._write(encode(rt, parts))
+                    return off
+            except OSError as e:
+                self._fail = e
+                self._torn = True
+                return -1
         off = self._fend + self._wn
         _fill(wb, self._wn, rt, blen, parts)
         self._wn += n
@@ -710,8 +1058,8 @@ class FlashStore:
 
     def _clock_record(self):
         st = self._stime()
-        self._emit(T_CLOCK, (pack(">II", st, self._wall()),))
-        self._tmark = st
+        if self._emit(T_CLOCK, (pack(">II", st, self._wall()),)) >= 0:
+            self._tmark = st
 
     def _parts(self, msg, st):
         dl = msg[5]
@@ -728,26 +1076,23 @@ class FlashStore:
             flags = F_OWN
         return put_parts(msg[1], msg[3], flags, rem, st, self._wall(), msg[4], msg[2]), flags
 
-    def _ready(self):
-        if self._f is None:
-            raise OSError(9)  # EBADF: closed
-        if self._torn:
-            self.compact()  # never append after unknown bytes
-
     # ------------------------------------------------------------ interface
     def get(self, topic):
         if self._f is None:
             return None
         tb = topic.encode()
-        s = self._find(tb, topic_hash(tb))
+        s = self._find(tb, self._th(tb))
         if s < 0:
             return None
         return self._load(s, -1 if self._msgs is not None else self._flen)
 
     def put(self, topic, msg):
-        self._ready()
+        if self._f is None:
+            raise OSError(9)  # EBADF: closed
+        if self._fail is not None:
+            return  # refused: commit() raises the write error (FAILURES)
         tb = msg[1]
-        th = topic_hash(tb)
+        th = self._th(tb)
         s = self._find(tb, th)
         old = -1
         if s >= 0:
@@ -756,8 +1101,11 @@ class FlashStore:
             self._add_chunk()  # before anything is written (MemoryError-safe)
         parts, flags = self._parts(msg, self._stime())
         off = self._emit(T_PUT, parts)
+        if off < 0:
+            return
         size = PUT_OVERHEAD + len(tb) + len(msg[4]) + len(msg[2])
         if s >= 0:
+            self._note(s, False)
             c = self._ix[s >> 8]
             if c[_CH + (s & 255)] & _OEXP:
                 self._nexp -= 1
@@ -765,6 +1113,7 @@ class FlashStore:
             self.nbytes += size - old
         else:
             s = self._new_slot(th)
+            self._note(s, True)
             c = self._ix[s >> 8]
             self.count += 1
             self._live += size
@@ -781,13 +1130,18 @@ class FlashStore:
                 pass  # longer hash chains, nothing lost; tried again later
 
     def delete(self, topic):
-        self._ready()
+        if self._f is None:
+            raise OSError(9)  # EBADF: closed
+        if self._fail is not None:
+            return True  # refused: the acknowledgement waits for commit(), which raises
         tb = topic.encode()
-        s = self._find(tb, topic_hash(tb))
+        s = self._find(tb, self._th(tb))
         if s < 0:
             return False  # nothing written: no wear for a no-op
         size = self._size_of(s) if self._msgs is not None else self._flen + 9
-        self._emit(T_DEL, (tb,))
+        if self._emit(T_DEL, (tb,)) < 0:
+            return True
+        self._note(s, False)
         self._forget(s, size)
         return True
 
@@ -796,7 +1150,7 @@ class FlashStore:
         if first == "+" or first == "#":
             fh = -1
         elif "+" in flevels or "#" in flevels:
-            fh = _first_hash(first)
+            fh = self._fh(first)
         else:
             m = self.get("/".join(flevels))
             if m is not None:
@@ -872,12 +1226,13 @@ class FlashStore:
                     # reopen could not tell that the lifetime had passed (E4)
                     if m is not None:
                         self._emit(T_DEL, (m[1],))
+                    self._note(s, False)
                     self._forget(s, size)
                     removed += 1
             s += 1
         self._sweep = s
-        if (self._wn or self._unsynced or self._torn
-                or (self._nexp and self._stime() - self._tmark >= self._mark_every)):
+        if (self._wn or self._unsynced or self._torn or self._fail is not None
+                or (self._nexp and self._stime() - self._tmark >= self._cfg[2])):
             try:
                 self.commit()
             except OSError as e:
@@ -886,46 +1241,62 @@ class FlashStore:
 
     def commit(self):
         """Makes every put/delete so far durable: writes the buffer, flushes
-        and fsyncs. Compacts afterwards when dead bytes pass the ratio."""
+        and fsyncs. Compacts afterwards when dead bytes pass the ratio.
+        Raises OSError when that fails (or a put/delete since the last
+        commit could not be written), after rolling back to the last
+        durable state (FAILURES)."""
         if self._f is None:
             return
-        if self._torn:
-            self.compact()  # a complete rewrite: durable when it returns
+        if self.read_only:
             return
-        if self._nexp and self._stime() - self._tmark >= self._mark_every:
-            self._clock_record()
-        self._flush_buf()
-        if self._unsynced:
-            self._fs.sync(self._f)
-            self._unsynced = False
+        try:
+            if self._fail is not None:
+                raise self._fail
+            if self._torn:
+                self.compact()  # a complete rewrite: durable when it returns
+            else:
+                if self._nexp and self._stime() - self._tmark >= self._cfg[2]:
+                    self._clock_record()
+                    if self._fail is not None:
+                        raise self._fail
+                self._flush_buf()
+                if self._unsynced:
+                    self._fs.sync(self._f)
+                    self._unsynced = False
+        except OSError:
+            if self._f is not None:
+                self._rollback()
+            raise
+        self._durable()
         size = self._fend
         dead = size - _HDR - self._live
-        if size > self._min and dead > self._ratio * size and dead >= self._skip:
+        ratio, least, _ = self._cfg
+        if size > least and dead > ratio * size and dead >= self._skip:
             try:
                 self.compact()
             except OSError as e:
                 if self._f is None:
                     raise
                 # everything is durable already; try again after more churn
-                self._skip = dead + self._min
+                self._skip = dead + least
                 self._log("error", "compaction failed: %r" % (e,))
 
     def close(self):
+        """Makes pending changes durable (a CLOCK marker too: E4) and closes.
+        A write that fails here is logged: nothing pending was acknowledged."""
         f = self._f
         if f is None:
             return
         try:
-            if self._nexp and not self._torn:
-                self._clock_record()  # the exact runtime, for E4
-            if self._torn:
-                self.compact()
-            else:
-                self._flush_buf()
-                if self._unsynced:
-                    self._fs.sync(f)
-                    self._unsynced = False
+            if not self.read_only:
+                if self._nexp and not self._torn and self._fail is None:
+                    self._clock_record()  # the exact runtime, for E4
+                self.commit()
+        except OSError as e:
+            self._log("error", "%s: changes since the last commit lost at close (%r)"
+                      % (self.path, e))
         finally:
-            if self._f is not None:
+            if self._f is not None and self._f is not True:
                 self._f.close()
             self._f = None
 
@@ -934,10 +1305,14 @@ class FlashStore:
         """Writes every live record to <path>.new (streaming, one record at
         a time), appends a CLOCK marker, syncs, closes and renames it over
         the file. Offsets change, slots do not: open iterators stay valid.
-        Expired messages and unreadable records are dropped on the way."""
+        Expired messages and unreadable records are dropped on the way.
+        When opening found bytes it could not parse, the old file is kept as
+        <path>.bad instead of being replaced (never drop them without a copy)."""
         f = self._f
         if f is None:
             raise OSError(9)
+        if self.read_only:
+            return
         fs = self._fs
         path = self.path
         new = path + ".new"
@@ -976,13 +1351,13 @@ class FlashStore:
                     if dl <= now:
                         self._drop_marked(s)
                         continue
-                g.write(r[0])
-                g.write(r[1])
+                self._wr(g, r[0])
+                self._wr(g, r[1])
                 c[_CH2 + k] = pos  # the new offset, until the chains are rebuilt
                 pos += len(r[0]) + len(r[1])
             live = pos - _HDR
             st = self._stime()
-            g.write(encode(T_CLOCK, (pack(">II", st, self._wall()),)))
+            self._wr(g, encode(T_CLOCK, (pack(">II", st, self._wall()),)))
             pos += CLOCK_SIZE
             fs.sync(g)
             g.close()
@@ -1002,16 +1377,26 @@ class FlashStore:
                 self._rethread()
         self.bytes_written += pos
         renamed = False
+        bad = None
         try:
             self._f = None
             f.close()
-            try:
+            keep = self._keep()
+            if keep:
+                # the old file holds bytes opening could not parse: kept
+                bad = path + ".bad"
+                if fs.exists(bad):
+                    fs.remove(bad)
+                fs.rename(path, bad)
                 fs.rename(new, path)
-            except OSError:
-                # FAT cannot rename over a file: remove, then rename; an open
-                # that finds only a complete .new adopts it
-                fs.remove(path)
-                fs.rename(new, path)
+            else:
+                try:
+                    fs.rename(new, path)
+                except OSError:
+                    # FAT cannot rename over a file: remove, then rename; an
+                    # open that finds only a complete .new adopts it
+                    fs.remove(path)
+                    fs.rename(new, path)
             renamed = True
             for s in range(self._hi):
                 c = ix[s >> 8]
@@ -1027,21 +1412,45 @@ class FlashStore:
             self._tmark = st
             self._skip = 0
             self.compactions += 1
+            if keep:
+                self._log("warning", "%s: compacted; the old file, with the bytes that "
+                          "could not be read, is kept as %s" % (path, bad))
             fs.sync_dir(path)
             self._f = fs.open(path, "r+b")
         finally:
             self._rethread()
             if not renamed:
+                if bad is not None and not fs.exists(path):
+                    try:
+                        fs.rename(bad, path)
+                    except Exception:
+                        pass
                 try:
                     self._f = fs.open(path, "r+b")
                 except Exception:
                     self._f = None
+        self._durable()
+
+    def _keep(self):
+        # does the file hold bytes opening could not parse, not yet kept as
+        # .bad? Corrupt records, or a torn tail longer than the write buffer
+        # (more than one cut write can leave); the first compaction keeps it
+        o = self.open_stats
+        return self.compactions == 0 and (o["corrupt"] or o["torn_bytes"] > len(self._wb))
+
+    def _wr(self, g, data):
+        # one write into the compaction file; a short one is an error
+        n = len(data)
+        r = g.write(data)
+        if r is not None and r != n:
+            raise OSError(5)  # EIO: short write
 
     def _drop_marked(self, s):
         # compaction drops a slot; the chains are rebuilt afterwards
         c = self._ix[s >> 8]
         k = s & 255
         size = self._size_of(s) if self._msgs is not None else self._head(c[_CH + k] & _OFFM)[0]
+        self._note(s, False)
         if c[_CH + k] & _OEXP:
             self._nexp -= 1
         c[k] = 0
@@ -1080,16 +1489,23 @@ class FlashStore:
             "records": 0, "live": 0, "dead_bytes": 0, "torn_bytes": 0, "corrupt": 0,
             "skipped_unknown": 0, "expired": 0, "moved_aside": False, "created": False,
         }
-        if fs.exists(new):
-            if fs.exists(path) or not self._complete(new):
-                fs.remove(new)  # the rename never happened: the old file is intact
-            else:
-                fs.rename(new, path)  # cut between remove and rename (FAT)
-                self._log("warning", "%s: adopted the compacted %s" % (path, new))
-        if not fs.exists(path):
-            self._create()
+        try:
+            if fs.exists(new):
+                if fs.exists(path) or not self._complete(new):
+                    fs.remove(new)  # the rename never happened: the old file is intact
+                else:
+                    fs.rename(new, path)  # cut between remove and rename (FAT)
+                    self._log("warning", "%s: adopted the compacted %s" % (path, new))
+            if fs.isdir(path):
+                self._move_aside("a directory")
+            if not fs.exists(path):
+                self._create()
+                self._durable()
+                return
+            f = fs.open(path, "r+b")
+        except OSError as e:
+            self._open_read_only(e)
             return
-        f = fs.open(path, "r+b")
         self._f = f
         kind = "bad_magic"
         try:
@@ -1099,27 +1515,72 @@ class FlashStore:
             if kind == "ok":
                 self._load_all(f, size)
         except MemoryError:
-            raise
+            # a store too big for this heap: moved aside, the broker starts
+            # (a boot loop is the alternative); the file is kept whole
+            self._log("error", "%s: MemoryError while opening" % path)
+            kind = "unopenable (MemoryError)"
         except Exception as e:  # a bad file must not stop the broker
             self._log("error", "%s: unreadable (%r)" % (path, e))
             kind = "unreadable"
         if kind == "ok":
+            self._durable()
             return
         self._f = None
         f.close()
         self._reset()
-        if kind == "partial":
-            fs.remove(path)
-            self._log("info", "%s: creation was cut, starting empty" % path)
-        else:
-            bad = path + ".bad"
-            if fs.exists(bad):
-                fs.remove(bad)
-            fs.rename(path, bad)
-            st["moved_aside"] = True
-            self._log("warning", "%s: %s, moved aside to %s; retained store starts empty"
-                      % (path, kind, bad))
-        self._create()
+        try:
+            if kind == "partial":
+                fs.remove(path)
+                self._log("info", "%s: creation was cut, starting empty" % path)
+            else:
+                self._move_aside(kind)
+            self._create()
+        except OSError as e:
+            self._open_read_only(e)
+            return
+        self._durable()
+
+    def _move_aside(self, why):
+        path = self.path
+        bad = path + ".bad"
+        if self._fs.exists(bad):
+            self._fs.remove(bad)
+        self._fs.rename(path, bad)
+        self.open_stats["moved_aside"] = True
+        self._log("warning", "%s: %s, moved aside to %s; retained store starts empty"
+                  % (path, why, bad))
+
+    def _open_read_only(self, err):
+        """The data directory cannot be written (a read-only filesystem,
+        no space to create the file, ...): serve from RAM (FAILURES). What
+        the file holds is loaded as in "disc" mode (a RAM copy of every
+        message, whatever the mode), changes stay in RAM, nothing is
+        written; durable is False so the broker acknowledges at once."""
+        self.read_only = True
+        self.durable = False
+        self.degraded = "read-only data dir (%r)" % (err,)
+        self._f = None
+        self._reset()
+        if self._msgs is None:
+            self._msgs = [[None] * _CH for _ in self._ix]
+        self._log("error", "%s: cannot be written (%r): retained store is read-only, "
+                  "served from RAM; changes are NOT kept across a restart"
+                  % (self.path, err))
+        try:
+            f = self._fs.open(self.path, "rb")
+        except OSError:
+            self._f = True  # open, no file: nothing to read
+            return
+        self._f = f
+        try:
+            size = f.seek(0, 2)
+            f.seek(0)
+            if header_kind(f.read(_HDR), size) == "ok":
+                self._load_all(f, size)
+        except (OSError, MemoryError) as e:
+            self._reset()
+            self._log("error", "%s: unreadable (%r): retained store starts empty"
+                      % (self.path, e))
 
     def _complete(self, path):
         # a .new is complete once it has a good header (it is synced before
@@ -1174,35 +1635,29 @@ class FlashStore:
         end = size
         t0 = 0
         self._fend = size  # _pread reads the file below this
-        for off, rt, b, status in scan(f, size):
-            if status == _TORN:
-                end = off
-                break
-            if status == _BAD:
-                st["corrupt"] += 1
-                self._log("warning", "%s: corrupt record at %d skipped" % (self.path, off))
-                continue
-            st["records"] += 1
-            blen = len(b) - 4
-            if rt == T_PUT:
-                pt = _put_topic(b, blen)
-                if pt is None:
-                    st["corrupt"] += 1
-                    self._log("warning", "%s: malformed record at %d skipped" % (self.path, off))
-                    continue
-                p, topic = pt
+        for ev in replay(f, size, msgs is not None):
+            kind, off, n, x = ev
+            if kind == T_PUT:
+                st["records"] += 1
+                if msgs is not None and not st["records"] & 127:
+                    # MicroPython, "disc": collect before the garbage of
+                    # reading spreads the messages kept over the whole heap,
+                    # which leaves no block for the next index chunk
+                    # (measured: MemoryError for 3 KB with 1.1 MB free).
+                    # "disc_only" keeps no object per message: no need.
+                    _collect()
+                p, topic = x
                 tb, qos, flags, rem, stime, wall, props, payload = p
                 if stime > t0:
                     t0 = stime
-                th = topic_hash(tb)
+                th = self._th(tb)
                 s = self._find(tb, th)
-                size_r = blen + 9
                 if s >= 0:
                     self._forget(s, self._size_of(s) if msgs is not None else self._flen + 9)
                 s = self._new_slot(th)
                 self.count += 1
-                self._live += size_r
-                self.nbytes += size_r - PUT_OVERHEAD
+                self._live += n
+                self.nbytes += n - PUT_OVERHEAD
                 if flags & F_EXP:
                     self._nexp += 1
                 self._ix[s >> 8][_CH + (s & 255)] = off | (_OEXP if flags & F_EXP else 0)
@@ -1212,17 +1667,26 @@ class FlashStore:
                                              (stime, rem, wall) if flags & F_EXP else 0,
                                              flags & F_OWN)
                 if self.count > 4 * self._nb and self._nb < 0x100000:
-                    self._grow_buckets()
-            elif rt == T_DEL:
-                tb = bytes(b[:blen])
-                s = self._find(tb, topic_hash(tb))
+                    try:
+                        self._grow_buckets()
+                    except MemoryError:
+                        pass  # longer hash chains, as in put()
+            elif kind == T_DEL:
+                st["records"] += 1
+                s = self._find(x, self._th(x))
                 if s >= 0:
                     self._forget(s, self._size_of(s) if msgs is not None else self._flen + 9)
-            elif rt == T_CLOCK and blen >= 8:
-                stime = unpack_from(">I", b, 0)[0]
-                if stime > t0:
-                    t0 = stime
+            elif kind == T_CLOCK and x is not None:
+                st["records"] += 1
+                if x[0] > t0:
+                    t0 = x[0]
+            elif kind == EV_BAD:
+                st["corrupt"] += 1
+                self._log("warning", "%s: %d unreadable bytes at %d skipped" % (self.path, n, off))
+            elif kind == EV_TORN:
+                end = off
             else:
+                st["records"] += 1
                 st["skipped_unknown"] += 1
         self._fend = end
         if end < size:
@@ -1256,111 +1720,3 @@ class FlashStore:
         st["expired"] = expired
         st["live"] = self.count
         st["dead_bytes"] = end - _HDR - self._live
-
-
-# ------------------------------------------------------------ 4. inspect
-def inspect(path, wall_now=None, fs=None):
-    """A read-only report of a store file as a dict of plain values (JSON
-    ready): header, every live message (topic, qos, sizes, expiry), dead,
-    torn and corrupt bytes. Decides exactly as FlashStore's open does, but
-    never changes the file. For host tools; it builds lists in RAM."""
-    fs = fs if fs is not None else Fs()
-    rep = {
-        "path": path, "status": "ok", "damaged": False, "file_bytes": 0,
-        "header": {"magic": "", "version": None, "kind": "missing"},
-        "records": 0, "by_type": {}, "live": [], "expired": [], "live_bytes": 0,
-        "dead_bytes": 0, "torn_bytes": 0, "torn_offset": None, "corrupt": 0,
-        "corrupt_offsets": [], "skipped_unknown": 0, "unknown_types": [],
-        "clock": {"stime": 0, "wall": 0},
-    }
-    f = fs.open(path, "rb")
-    try:
-        size = f.seek(0, 2)
-        f.seek(0)
-        head = f.read(_HDR)
-        rep["file_bytes"] = size
-        kind = header_kind(head, size)
-        rep["header"] = {"magic": str(binascii.hexlify(head[:4]), "ascii"),
-                         "version": head[4] if len(head) > 4 else None, "kind": kind}
-        if kind != "ok":
-            rep["status"] = kind
-            rep["damaged"] = True
-            return rep
-        live = {}
-        t_end = 0
-        wall_end = 0
-        names = {T_PUT: "PUT", T_DEL: "DEL", T_CLOCK: "CLOCK"}
-        end = size
-        for off, rt, b, status in scan(f, size):
-            if status == _TORN:
-                end = off
-                break
-            if status == _BAD:
-                rep["corrupt"] += 1
-                rep["corrupt_offsets"].append(off)
-                continue
-            rep["records"] += 1
-            name = names.get(rt, "0x%02x" % rt)
-            rep["by_type"][name] = rep["by_type"].get(name, 0) + 1
-            blen = len(b) - 4
-            if rt == T_PUT:
-                pt = _put_topic(b, blen)
-                if pt is None:
-                    rep["corrupt"] += 1
-                    rep["corrupt_offsets"].append(off)
-                    continue
-                p, topic = pt
-                if p[4] > t_end:
-                    t_end = p[4]
-                    wall_end = p[5] or wall_end
-                live[topic] = (off, blen + 9, p)
-            elif rt == T_DEL:
-                try:
-                    live.pop(str(bytes(b[:blen]), "utf-8"), None)
-                except UnicodeError:
-                    pass
-            elif rt == T_CLOCK and blen >= 8:
-                stime, wall = unpack_from(">II", b, 0)
-                if stime >= t_end:
-                    t_end = stime
-                    wall_end = wall or wall_end
-            else:
-                rep["skipped_unknown"] += 1
-                if name not in rep["unknown_types"]:
-                    rep["unknown_types"].append(name)
-        if end < size:
-            rep["torn_bytes"] = size - end
-            rep["torn_offset"] = end
-        rep["clock"] = {"stime": t_end, "wall": wall_end}
-        live_bytes = 0
-        for topic in sorted(live, key=lambda t: live[t][0]):
-            off, rsize, p = live[topic]
-            tb, qos, flags, rem, stime, wall, props, payload = p
-            ent = {"topic": topic, "offset": off, "record_bytes": rsize, "qos": qos,
-                   "payload_bytes": len(payload), "props_bytes": len(props),
-                   "own_expiry": bool(flags & F_OWN), "remaining_at_write": None,
-                   "remaining": None, "expires_at": None}
-            if flags & F_EXP:
-                left = stime + rem - t_end
-                if wall and wall_now:
-                    lw = wall + rem - int(wall_now)
-                    if lw < left:
-                        left = lw
-                ent["remaining_at_write"] = rem
-                ent["remaining"] = left
-                ent["expires_at"] = wall + rem if wall else None
-                if left <= 0:
-                    rep["expired"].append(ent)
-                    continue
-            live_bytes += rsize
-            rep["live"].append(ent)
-        rep["live_bytes"] = live_bytes
-        rep["dead_bytes"] = end - _HDR - live_bytes
-        if rep["torn_bytes"]:
-            rep["status"] = "torn"
-        elif rep["corrupt"]:
-            rep["status"] = "corrupt"
-        rep["damaged"] = rep["status"] != "ok"
-        return rep
-    finally:
-        f.close()

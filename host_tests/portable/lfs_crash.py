@@ -145,7 +145,8 @@ def run(mode, ops, dev):
             clock.now += 9
             if op[0] == "commit":
                 st.commit()
-                committed = done
+                if st.durable:  # not a store that fell back to RAM (read_only)
+                    committed = done
                 comp = st.compactions
                 continue
             attempted += 1
@@ -155,7 +156,8 @@ def run(mode, ops, dev):
                 st.delete(op[1])
             done += 1
         st.close()
-        committed = done
+        if st.durable:
+            committed = done
     except OSError:
         # the image is final: later writes (file finalizers, the dead
         # store's close) are dropped, later reads answer nothing
@@ -166,6 +168,7 @@ def run(mode, ops, dev):
             except OSError:
                 pass
     umount()
+    dev.dead = True  # the image is final (a store's close() logs a failed write)
     return committed, attempted, comp
 
 

@@ -84,6 +84,13 @@ def _contents(st):
     return out
 
 
+def _count_type(path, rt):
+    # records of type rt in a store file, read by the store's own replay()
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        return sum(1 for ev in es.replay(f, size, False) if ev[0] == rt)
+
+
 def _each_mode(fn):
     for mode in MODES:
         d = _tmpdir()
@@ -243,14 +250,14 @@ def test_literal_first_level_filter_does_not_read_every_message():
 
 
 def test_hash_collisions_are_told_apart():
-    # two topics with the same 30-bit hash (found once by a birthday search);
-    # this also pins topic_hash: it must stay the same on every interpreter
+    # every topic forced into one hash value (one chain, equal hash words):
+    # the store still tells them apart by their bytes
     pair = ("c/e31b7480-632", "c/833abbd5-1324")
-    assert es.topic_hash(pair[0].encode()) == es.topic_hash(pair[1].encode())
 
     def run(d, mode):
         a, b = pair
         st = _open(d, mode)
+        st._th = lambda tb: 0x1234567
         st.put(a, M(a, b"A"))
         st.put(b, M(b, b"B"))
         assert st.get(a)[2] == b"A" and st.get(b)[2] == b"B" and st.count == 2
@@ -372,12 +379,15 @@ def test_write_error_then_rewrite_keeps_committed_data():
             raise AssertionError("no error")
         except OSError:
             pass
+        # the failed commit rolled back to the last durable state: "b" was
+        # never acknowledged (the broker disconnects its publisher)
+        assert st.get("b") is None and sorted(_contents(st)) == ["a"] and st.count == 1
         st.put("c", M("c", b"3"))         # compacts first: never after garbage
         st.commit()
         assert st.compactions == 1
         st.close()
         st = _open(d, mode)
-        assert sorted(_contents(st)) == ["a", "b", "c"]
+        assert sorted(_contents(st)) == ["a", "c"]
         assert st.open_stats["torn_bytes"] == 0 and st.open_stats["corrupt"] == 0
         st.close()
     _each_mode(run)
@@ -507,8 +517,7 @@ def test_clock_markers_bounded_wear():
             st.put("p", M("p", b"%d" % t))
             st.commit()
         # ten minutes with a lifetime held: a marker per minute, no more
-        r = es.inspect(d + "/r.ebrs")
-        assert r["by_type"]["CLOCK"] == 10, r["by_type"]
+        assert _count_type(d + "/r.ebrs", es.T_CLOCK) == 10
         st.close()
     _each_mode(run)
 
@@ -693,8 +702,11 @@ def test_bytes_written_counts_everything():
 
 
 # ------------------------------------------------------------- heap (board)
-def test_disc_only_heap_per_retained_message_at_most_16_bytes():
+def test_disc_only_heap_per_retained_message_at_most_15_bytes():
     # MicroPython only: gc.mem_alloc() per retained message over 2,000
+    # (index chunks, buckets and the store's fixed part, about 2.4 KB with
+    # its 1 KB write buffer). Issue 14: the keyed hash and the rollback add
+    # nothing per message (14.8 before and after; issue 12 wants <= 4)
     if not MICROPYTHON:
         return
     import gc
@@ -712,7 +724,8 @@ def test_disc_only_heap_per_retained_message_at_most_16_bytes():
         gc.collect()
         per = (gc.mem_alloc() - a0) / 2000
         st.close()
-        assert per <= 16, "%.1f bytes per retained message" % per
+        print("disc_only heap: %.2f bytes per retained message (2,000)" % per)
+        assert per <= 15, "%.2f bytes per retained message" % per
     finally:
         _rmtree(d)
 
@@ -844,17 +857,489 @@ def test_golden_good_is_what_flashstore_writes():
             _rmtree(d)
 
 
-def test_inspect_reports_like_open():
-    r = es.inspect(_DATA + "/torn_tail.ebrs", wall_now=1700000500)
-    assert r["status"] == "torn" and r["damaged"] is True and r["torn_offset"] == 401
-    assert [e["topic"] for e in r["live"]] == [
-        "sensors/t1", "config/mode", "alerts/door", "$app/version", "caf\u00e9/\u6c34"]
-    door = r["live"][2]
-    assert door["remaining"] == 3100 and door["expires_at"] == 1700003600
-    assert [e["topic"] for e in r["expired"]] == ["status/boot"]
-    r = es.inspect(_DATA + "/good.ebrs")
-    assert r["status"] == "ok" and not r["damaged"] and r["dead_bytes"] == 164
-    assert r["live"][2]["remaining"] == 3330
-    assert es.inspect(_DATA + "/bad_magic.ebrs")["status"] == "bad_magic"
-    assert es.inspect(_DATA + "/future_version.ebrs")["status"] == "future_version"
-    assert es.inspect(_DATA + "/corrupt_record.ebrs")["corrupt_offsets"] == [137]
+# ---------------------------------------------------- faults (issue 14)
+class QuotaFs(es.Fs):
+    """A filesystem with `free` bytes left: a write beyond them writes what
+    fits and raises OSError 28 (ENOSPC), as a full littlefs or disk does.
+    Removing a file gives its bytes back; raise `free` for space returning."""
+
+    def __init__(self, free):
+        self.free = free
+        self.reads = 0
+        self.max_read = 0
+
+    def open(self, path, mode):
+        return _QuotaFile(open(path, mode), self, path)
+
+    def remove(self, path):
+        try:
+            self.free += os.stat(path)[6]
+        except OSError:
+            pass
+        os.remove(path)
+
+
+class _QuotaFile(_CountingFile):
+    def __init__(self, f, fs, path):
+        _CountingFile.__init__(self, f, fs)
+        self.path = path
+
+    def read(self, n=-1):
+        self.fs.max_read = max(self.fs.max_read, n)
+        return _CountingFile.read(self, n)
+
+    def write(self, b):
+        n = len(b)
+        if n > self.fs.free:
+            k = self.fs.free
+            if k > 0:
+                self.f.write(bytes(b)[:k])
+                self.f.flush()
+            self.fs.free = 0
+            raise OSError(28)  # ENOSPC
+        self.fs.free -= n
+        return self.f.write(b)
+
+
+class ReadOnlyFs(es.Fs):
+    """A read-only filesystem (OSError 30, EROFS) for everything but reads."""
+
+    def open(self, path, mode):
+        if mode != "rb":
+            raise OSError(30)
+        return open(path, mode)
+
+    def rename(self, src, dst):
+        raise OSError(30)
+
+    def remove(self, path):
+        raise OSError(30)
+
+
+class NoHeapFs(es.Fs):
+    """Reads of the store past its header raise MemoryError: a store that
+    cannot be opened in the heap there is."""
+
+    def open(self, path, mode):
+        return _NoHeapFile(open(path, mode))
+
+
+class _NoHeapFile(_CountingFile):
+    def __init__(self, f):
+        _CountingFile.__init__(self, f, CountingFs())
+
+    def read(self, n=-1):
+        if self.f.tell() >= 8:
+            raise MemoryError("memory allocation failed, allocating %d bytes" % n)
+        return self.f.read(n)
+
+
+def _fill(st, n, size=40, prefix="m/"):
+    for i in range(n):
+        t = "%s%d" % (prefix, i)
+        st.put(t, M(t, (b"%d:" % i) + b"x" * size))
+
+
+def _messages(n, size=40, prefix="m/"):
+    out = {}
+    for i in range(n):
+        out["%s%d" % (prefix, i)] = (b"%d:" % i) + b"x" * size
+    return out
+
+
+def _payloads(st):
+    out = {}
+    for m in st.messages():
+        out[m[0]] = m[2]
+    return out
+
+
+def test_length_pointing_near_the_end_is_never_allocated_and_the_rest_is_kept():
+    # Issue 14 #2: a 4-byte corruption (the first record's length pointing
+    # near the end of a 52 KB store) made every MicroPython start fail with
+    # MemoryError in the scan, never moved aside: a boot loop. Opening reads
+    # through bounded chunks whatever a length says, resynchronises at the
+    # next record whose CRC checks, and keeps every other message.
+    def run(d, mode):
+        st = _open(d, mode, capacity=400)
+        _fill(st, 300, size=150)
+        st.close()
+        p = d + "/r.ebrs"
+        raw = bytearray(_read(p))
+        assert len(raw) > 50000
+        raw[9:13] = es.pack(">I", len(raw) - 8 - 9 - 20)
+        _write(p, raw)
+        fs = QuotaFs(1 << 30)
+        st = _open(d, mode, fs=fs, capacity=400)
+        assert fs.max_read <= 4096, fs.max_read
+        want = _messages(300, size=150)
+        del want["m/0"]
+        assert _payloads(st) == want
+        assert st.open_stats["corrupt"] == 1 and st.open_stats["torn_bytes"] == 0
+        st.close()
+    _each_mode(run)
+
+
+def test_store_that_cannot_be_opened_is_moved_aside_and_the_store_starts():
+    # Issue 14 #2: MemoryError while opening is a store that cannot be
+    # opened: moved aside to .bad (kept whole), the store starts empty
+    def run(d, mode):
+        st = _open(d, mode)
+        _fill(st, 20)
+        st.close()
+        p = d + "/r.ebrs"
+        before = _read(p)
+        logs = []
+        st = _open(d, mode, fs=NoHeapFs(), log=lambda lv, text: logs.append((lv, text)))
+        assert st.open_stats["moved_aside"] is True and st.count == 0
+        assert _read(p + ".bad") == before
+        assert [lv for lv, _ in logs if lv in ("warning", "error")]
+        st.put("a", M("a", b"1"))
+        st.commit()
+        st.close()
+        st = _open(d, mode)
+        assert _payloads(st) == {"a": b"1"}
+        st.close()
+    _each_mode(run)
+
+
+def test_flipped_bit_in_first_record_header_loses_only_that_record_and_keeps_a_copy():
+    # Issue 14 #9: one flipped bit in the first record's length opened the
+    # store empty and the next write compacted 312 KB to 62 B, keeping no
+    # copy. Every bit of the first record's type, length and PUT header:
+    # the other messages are all kept, and the compaction that drops the
+    # unparsable bytes first keeps the whole damaged file as .bad.
+    def run(d, mode):
+        st = _open(d, mode)
+        _fill(st, 12, size=8)
+        st.close()
+        p = d + "/r.ebrs"
+        good = _read(p)
+        want = _messages(12, size=8)
+        del want["m/0"]
+        for i in range(8, 8 + 5 + 20):
+            for bit in range(8):
+                raw = bytearray(good)
+                raw[i] ^= 1 << bit
+                _write(p, raw)
+                if _exists(p + ".bad"):
+                    os.remove(p + ".bad")
+                st = _open(d, mode)
+                got = _payloads(st)
+                assert got == want, (mode, i, bit, sorted(got))
+                assert st.open_stats["corrupt"] == 1, (i, bit, st.open_stats)
+                st.put("new", M("new", b"n"))
+                st.commit()
+                st.compact()
+                # the whole damaged file, and what was appended to it since
+                assert _read(p + ".bad")[:len(raw)] == bytes(raw), (i, bit)
+                st.close()
+                st = _open(d, mode)
+                w2 = dict(want)
+                w2["new"] = b"n"
+                assert _payloads(st) == w2 and st.open_stats["corrupt"] == 0
+                st.close()
+    _each_mode(run)
+
+
+def test_corrupt_length_in_a_300_message_store_keeps_299_and_a_bad_copy():
+    # the 312 KB case of issue 14 #9 at a smaller scale, through the
+    # broker's own path: open, the next write commits, compaction follows
+    def run(d, mode):
+        st = _open(d, mode, capacity=400, compact_min_bytes=0)
+        _fill(st, 300, size=60)
+        st.close()
+        p = d + "/r.ebrs"
+        raw = bytearray(_read(p))
+        raw[10] ^= 0x10  # a bit of the first record's length
+        _write(p, raw)
+        st = _open(d, mode, capacity=400, compact_min_bytes=0)
+        assert st.count == 299
+        for i in range(300):
+            st.delete("m/%d" % i)
+        st.commit()  # dead bytes pass the ratio: compaction
+        assert st.compactions >= 1
+        assert _read(p + ".bad")[:len(raw)] == bytes(raw)
+        st.close()
+    _each_mode(run)
+
+
+def test_lengths_past_the_end_at_every_record_are_torn_or_resynchronised():
+    # every record's length made to point past the end of the file in turn:
+    # opening never raises, keeps every record before it and every record
+    # after it that chains to the end of the file
+    def run(d, mode):
+        st = _open(d, mode)
+        _fill(st, 10, size=5)
+        st.close()
+        p = d + "/r.ebrs"
+        good = _read(p)
+        offs = []
+        with open(p, "rb") as f:
+            for ev in es.replay(f, len(good), False):
+                offs.append(ev[1])
+        assert len(offs) == 10
+        for k, off in enumerate(offs):
+            raw = bytearray(good)
+            raw[off + 1:off + 5] = es.pack(">I", len(good))
+            _write(p, raw)
+            st = _open(d, mode)
+            want = _messages(10, size=5)
+            del want["m/%d" % k]
+            assert _payloads(st) == want, (k, sorted(_payloads(st)))
+            st.close()
+    _each_mode(run)
+
+
+def test_store_path_that_is_a_directory_is_moved_aside():
+    # Issue 14 #9: retained.ebrs being a directory stopped start-up
+    def run(d, mode):
+        p = d + "/r.ebrs"
+        os.mkdir(p)
+        logs = []
+        try:
+            st = _open(d, mode, log=lambda lv, text: logs.append((lv, text)))
+            assert st.open_stats["moved_aside"] is True and st.count == 0
+            assert [t for lv, t in logs if lv == "warning" and ".bad" in t]
+            st.put("a", M("a", b"1"))
+            st.commit()
+            st.close()
+            st = _open(d, mode)
+            assert _payloads(st) == {"a": b"1"}
+            st.close()
+        finally:
+            try:
+                os.rmdir(p + ".bad")
+            except OSError:
+                pass
+    _each_mode(run)
+
+
+def test_read_only_data_dir_serves_from_ram_loudly():
+    # Issue 14 #9: a read-only data dir (OSError 30) stopped start-up. The
+    # store opens read-only: what the file holds is served from RAM, new
+    # retained messages are kept in RAM (not durable: the broker does not
+    # wait for commits), nothing is written, and it says so.
+    def run(d, mode):
+        st = _open(d, mode)
+        _fill(st, 5)
+        st.close()
+        p = d + "/r.ebrs"
+        before = _read(p)
+        logs = []
+        st = _open(d, mode, fs=ReadOnlyFs(), log=lambda lv, text: logs.append((lv, text)))
+        assert st.read_only is True and st.durable is False
+        assert [t for lv, t in logs if lv == "error" and "read-only" in t]
+        assert _payloads(st) == _messages(5)
+        st.put("n/1", M("n/1", b"new"))
+        st.put("m/1", M("m/1", b"changed"))
+        assert st.delete("m/2") is True
+        st.commit()
+        assert st.expire(0, 100) == 0
+        want = _messages(5)
+        want["n/1"] = b"new"
+        want["m/1"] = b"changed"
+        del want["m/2"]
+        assert _payloads(st) == want and st.get("n/1")[2] == b"new" and st.count == 5
+        assert sorted(m[0] for m in st.match(["m", "+"])) == ["m/0", "m/1", "m/3", "m/4"]
+        st.close()
+        assert _read(p) == before
+        # no file at all on a read-only filesystem: an empty RAM store
+        os.remove(p)
+        st = _open(d, mode, fs=ReadOnlyFs())
+        assert st.read_only is True and st.count == 0
+        st.put("a", M("a", b"1"))
+        assert st.get("a")[2] == b"1"
+        st.commit()
+        st.close()
+        assert not _exists(p)
+    _each_mode(run)
+
+
+def test_full_disk_rolls_back_stays_readable_and_recovers():
+    # Issue 14 #7: after a failed commit every retained publish raised and
+    # reads failed. Now: the failed commit raises (the broker's documented
+    # refusal), the store is back at its last durable state (index
+    # included) and readable; puts and deletes never raise; each commit
+    # while the disk is full fails cleanly; when space returns the next
+    # commit succeeds and a reopen holds exactly what was committed.
+    def run(d, mode):
+        fs = QuotaFs(3000)
+        st = _open(d, mode, fs=fs, capacity=200)
+        committed = {}
+        failed = None
+        for i in range(200):
+            t = "f/%d" % (i % 60)
+            v = b"%d" % i + b"y" * 30
+            st.put(t, M(t, v))
+            try:
+                st.commit()
+            except OSError as e:
+                failed = e
+                break
+            committed[t] = v
+        assert failed is not None and failed.args[0] == 28
+        assert _payloads(st) == committed and st.count == len(committed)
+        for t in committed:
+            assert st.get(t)[2] == committed[t]
+        for rnd in range(3):  # while full: writes never raise, commits refuse
+            st.put("f/new%d" % rnd, M("f/new%d" % rnd, b"n" * 200))
+            assert st.delete("f/1") is True
+            try:
+                st.commit()
+                raise AssertionError("commit succeeded on a full disk")
+            except OSError as e:
+                assert e.args[0] == 28
+            assert _payloads(st) == committed
+        fs.free = 1 << 20  # space returns
+        st.put("f/after", M("f/after", b"ok"))
+        st.delete("f/2")
+        st.commit()
+        committed["f/after"] = b"ok"
+        del committed["f/2"]
+        assert _payloads(st) == committed
+        st.close()
+        st = _open(d, mode, capacity=200)
+        assert _payloads(st) == committed
+        assert st.open_stats["torn_bytes"] == 0 and st.open_stats["corrupt"] == 0
+        st.close()
+    _each_mode(run)
+
+
+def test_full_disk_during_a_big_direct_write_and_at_close():
+    # a record bigger than the write buffer goes straight to the file; the
+    # disk filling there, or at close(), is handled like a failed commit
+    def run(d, mode):
+        fs = QuotaFs(2000)
+        st = _open(d, mode, fs=fs)
+        st.put("a", M("a", b"1"))
+        st.commit()
+        st.put("big", M("big", b"B" * 5000))  # never raises
+        try:
+            st.commit()
+            raise AssertionError("no error")
+        except OSError:
+            pass
+        assert st.get("big") is None and _payloads(st) == {"a": b"1"}
+        st.put("b", M("b", b"2"))
+        st.close()  # cannot write: says so, does not raise
+        st = _open(d, mode)
+        assert _payloads(st) == {"a": b"1"}
+        st.close()
+    _each_mode(run)
+
+
+# ---------------------------------------------------- colliding topics
+def crc_collisions(n, first="c", seed=1):
+    """n distinct topics first + "/" + 8 hex digits + "-" + 6 letters that
+    all have the same CRC-32 in their low 20 bits (and the same first level):
+    equal hashes under the old unkeyed scheme (30 bits: 10 of the first
+    level's CRC-32 above 20 of the topic's). CRC-32 is affine over GF(2), so
+    for a fixed length the effect of each of the 30 free bits (low 5 bits of
+    the 6 letters, 0x40..0x5F) is a fixed 32-bit vector; Gaussian
+    elimination solves for the target per prefix."""
+    crc = es._crc32
+    ln = len(first) + 1 + 8 + 1 + 6
+    zero = crc(bytes(ln))
+    rows = []  # (vector low 20 bits, combination mask)
+    for j in range(30):
+        e = bytearray(ln)
+        e[ln - 6 + j // 5] = 1 << (j % 5)
+        rows.append(((crc(bytes(e)) ^ zero) & 0xFFFFF, 1 << j))
+    basis = []  # (pivot bit, vector, mask), reduced
+    for v, m in rows:
+        for pb, bv, bm in basis:
+            if v >> pb & 1:
+                v ^= bv
+                m ^= bm
+        if v:
+            pb = 0
+            while not v >> pb & 1:
+                pb += 1
+            for k in range(len(basis)):
+                qb, qv, qm = basis[k]
+                if qv >> pb & 1:
+                    basis[k] = (qb, qv ^ v, qm ^ m)
+            basis.append((pb, v, m))
+    target = 0x5A5A5
+    out = []
+    i = seed * 1000003
+    while len(out) < n:
+        i += 1
+        base = "%s/%08x-@@@@@@" % (first, i * 2654435761 & 0xFFFFFFFF)
+        s = (crc(base.encode()) ^ target) & 0xFFFFF
+        m = 0
+        for pb, bv, bm in basis:
+            if s >> pb & 1:
+                s ^= bv
+                m ^= bm
+        if s:
+            continue
+        tail = ""
+        for c in range(6):
+            tail += chr(0x40 | (m >> (5 * c) & 31))
+        out.append(base[:-6] + tail)
+    return out
+
+
+def _old_topic_hash(tb):
+    # the unkeyed scheme of format 1 (CRC-32), for the attack's set-up only
+    i = tb.find(b"/")
+    f = es._crc32(tb[:i]) if i >= 0 else es._crc32(tb)
+    return (f & 0x3FF) << 20 | (es._crc32(tb) & 0xFFFFF)
+
+
+def test_crc_collisions_generator_collides_under_the_old_hash():
+    ts = crc_collisions(50)
+    assert len(set(ts)) == 50
+    hs = set(_old_topic_hash(t.encode()) for t in ts)
+    assert len(hs) == 1, hs
+    for t in ts:
+        assert "+" not in t and "#" not in t and t.count("/") == 1
+
+
+def test_colliding_topics_cost_like_ordinary_ones_and_after_a_restart():
+    # Issue 14 #3: 7,500 topics colliding under CRC-32 took 262 s of CPU
+    # (each put read every earlier colliding record). The hash is keyed by
+    # a random per-store key: the same topics spread like any others, so
+    # a put or a reopen reads a small constant number of records each.
+    n = 400
+    ts = crc_collisions(n)
+    d = _tmpdir()
+    try:
+        fs = CountingFs()
+        st = _open(d, "disc_only", fs=fs, capacity=n)
+        for t in ts:
+            st.put(t, M(t, b"v"))
+        st.commit()
+        assert st.count == n
+        assert fs.reads <= 3 * n, fs.reads  # the old scheme: ~n * n / 2
+        st.close()
+        fs = CountingFs()
+        st = _open(d, "disc_only", fs=fs, capacity=n)
+        assert st.count == n and fs.reads <= 6 * n, fs.reads
+        fs.reads = 0
+        for t in ts:
+            assert st.get(t)[0] == t
+        assert fs.reads <= 3 * n, fs.reads
+        # the keyed hash spreads them: at most a few equal hash words
+        hs = set(st._th(t.encode()) for t in ts)
+        assert len(hs) >= n - 4, len(hs)
+        st.close()
+    finally:
+        _rmtree(d)
+
+
+def test_topic_hash_is_keyed_per_store():
+    # two stores (two keys) hash the same topics differently: a set chosen
+    # against one key is ordinary for another (and for the next start)
+    def run(d, mode):
+        a = _open(d, mode)
+        a.close()
+        b = _open(d, mode)
+        ts = [("t/%d" % i).encode() for i in range(20)]
+        assert [a._th(t) for t in ts] != [b._th(t) for t in ts]
+        for t in ts:
+            assert 0 <= a._th(t) < 1 << 30
+        b.close()
+    _each_mode(run)

@@ -31,22 +31,28 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from edgebroker_tools import passwords, runner
+from edgebroker_tools.commands.store_report import load_edgestore
 
 Profile = dict[str, Any]
 Schema = dict[str, Any]
 Level = Literal["error", "warning"]
 
-#: Flash store facts (lib/edgestore.py, FORMAT): a PUT record is 29 bytes plus
-#: topic, properties and payload; the file starts with an 8-byte header; a
-#: CLOCK record is 17 bytes. littlefs allocates whole blocks (4 KB on ESP32
-#: and RP2), so each of the two files (store and .new) may waste up to one.
-PUT_OVERHEAD: Final = 29
-FILE_HEADER: Final = 8
-CLOCK_RECORD: Final = 17
+_EDGESTORE = load_edgestore()
+
+#: Flash store facts, imported from lib/edgestore.py (FORMAT) so that they
+#: cannot drift: a PUT record is PUT_OVERHEAD (29) bytes plus topic,
+#: properties and payload; the file starts with a FILE_HEADER (8) byte
+#: header; a CLOCK record is CLOCK_RECORD (17) bytes.
+PUT_OVERHEAD: Final[int] = int(_EDGESTORE.PUT_OVERHEAD)
+FILE_HEADER: Final[int] = len(_EDGESTORE.HEADER)
+CLOCK_RECORD: Final[int] = int(_EDGESTORE.CLOCK_SIZE)
+
+#: littlefs allocates whole blocks (4 KB on ESP32 and RP2), so each of the
+#: two files (store and .new) may waste up to one (a filesystem fact).
 FS_BLOCK: Final = 4096
 
-#: edgestore's index grows in chunks of this many slots (its _CH).
-INDEX_CHUNK: Final = 256
+#: edgestore's index grows in chunks of this many slots.
+INDEX_CHUNK: Final[int] = int(_EDGESTORE.INDEX_CHUNK)
 
 #: $SYS/broker/refusals/<cause> topics the heap check allows for. The broker
 #: makes $SYS messages on demand, so the measured standing cost

@@ -3,8 +3,9 @@
     edgebroker store inspect FILE [--json] [--now UNIX_SECONDS]
     edgebroker store check FILE
 
-Both read the file with lib/edgestore.py's own reader (edgestore.inspect, the
-same decisions FlashStore makes when it opens a store) and never change it.
+Both read the file with lib/edgestore.py's own reader (store_report.inspect()
+over edgestore.replay(), the decisions FlashStore makes when it opens a
+store) and never change it.
 `inspect` prints the header, every live message (topic, qos, payload size,
 lifetime left and when it ends), dead bytes, torn and corrupt records;
 --json prints the whole report for machines. `check` prints one line and
@@ -16,17 +17,16 @@ but are not damage (a newer writer may add them).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import os
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Final, cast
 
-from edgebroker_tools import runner
 from edgebroker_tools.commands import CommandError
+from edgebroker_tools.commands.store_report import Report, inspect, load_edgestore
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -34,30 +34,30 @@ if TYPE_CHECKING:
 EXIT_CLEAN: Final = 0
 EXIT_DAMAGED: Final = 1
 
-Report = dict[str, Any]
-
-
-def load_edgestore() -> ModuleType:
-    """lib/edgestore.py (next to the broker runner.lib_path() finds), imported."""
-    lib = str(runner.lib_path().resolve().parent)
-    if lib not in sys.path:
-        sys.path.insert(0, lib)
-    try:
-        return importlib.import_module("edgestore")
-    except ImportError as exc:
-        raise CommandError(f"cannot import edgestore from {lib}: {exc}") from None
-
 
 def read_report(path: Path, now: float | None) -> Report:
-    """edgestore.inspect() of a store file, or a CommandError."""
+    """store_report.inspect() of a store file, or a CommandError."""
     if not path.is_file():
         raise CommandError(f"no such store file: {path}")
     edgestore = load_edgestore()
     try:
-        report = edgestore.inspect(str(path), wall_now=now)
+        return inspect(edgestore, str(path), wall_now=now)
     except OSError as exc:
         raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return cast(Report, report)
+
+
+def _emit(text: str) -> None:
+    """Print text; a reader that went away (`| head`) ends the output quietly.
+
+    The rest of the output is dropped (stdout is pointed at /dev/null, so
+    that the interpreter's own flush at exit cannot raise either)."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _unix_seconds(text: str) -> float:
@@ -201,9 +201,9 @@ def handle_inspect(args: argparse.Namespace) -> int:
     now = cast("float | None", args.now)
     report = read_report(cast(Path, args.file), time.time() if now is None else now)
     if args.json:
-        print(json.dumps(report, indent=2, ensure_ascii=False))
+        _emit(json.dumps(report, indent=2, ensure_ascii=False))
     else:
-        print(format_report(report))
+        _emit(format_report(report))
     return EXIT_CLEAN
 
 
@@ -213,11 +213,11 @@ def handle_check(args: argparse.Namespace) -> int:
     report = read_report(path, None)
     damage = problems(report)
     if damage:
-        print(f"{path}: damaged: " + "; ".join(damage))
+        _emit(f"{path}: damaged: " + "; ".join(damage))
         return EXIT_DAMAGED
     note = ""
     if report["skipped_unknown"]:
         note = f", {report['skipped_unknown']} unknown record(s) skipped"
     live = len(report["live"])
-    print(f"{path}: ok ({live} live message(s), {report['dead_bytes']} dead bytes{note})")
+    _emit(f"{path}: ok ({live} live message(s), {report['dead_bytes']} dead bytes{note})")
     return EXIT_CLEAN

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from edgebroker_tools.commands import store_report
 from edgebroker_tools.fleet import props
 from edgebroker_tools.fleet.schema import (
     INGEST_SCHEMA,
@@ -217,8 +218,9 @@ def load_edgestore() -> ModuleType:
 def read_store(path: str, meta: CollectionMeta, keep_damaged: bool = False) -> pa.Table:
     """The live messages of a flash store file, as the broker would load them.
 
-    edgestore.inspect() makes the broker's decisions (torn tail, corrupt
-    records, expiry at the collection time); each live record is then read
+    store_report.inspect() makes the broker's decisions through
+    edgestore.replay() (torn tail, corrupt records, expiry at the
+    collection time); each live record is then read
     with edgestore.scan() and decoded with edgestore.decode_put(). A store
     that the broker would refuse (bad magic, future version) is skipped; one
     with a torn tail or a corrupt record too, unless keep_damaged, which
@@ -227,7 +229,7 @@ def read_store(path: str, meta: CollectionMeta, keep_damaged: bool = False) -> p
     es = load_edgestore()
     now = meta.collected_at.timestamp()
     try:
-        report = cast(dict[str, Any], es.inspect(path, wall_now=now))
+        report = store_report.inspect(es, path, wall_now=now)
     except OSError as exc:
         raise DecodeError(f"unreadable store file: {exc.strerror or exc}") from None
     status = cast(str, report["status"])
