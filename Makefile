@@ -23,11 +23,15 @@ bench: venv  ## benchmarks (all scenarios, the flash-store ones included; under 
 bench-store: venv  ## flash-store benchmarks only: write amplification, open time, heap per message, 20,000 retained to Receive Maximum 10
 	$(VENV)/bin/python -m edgebroker_tools.bench --only store-wear,store-open,store-heap,retained-rm10
 
-bench-pipeline: venv  ## fleet pipeline: synth 10,000 gateways x 200 topics x 3 (6 M rows) -> fleet build on local[2], at half, full and double size
+bench-pipeline: venv  ## fleet pipeline at 20x10x2, 1,000x200x3, 10,000x200x3 (6.3 M rows), 20,000x200x3 on local[2], each beside a floor job (read + write the same snapshots)
 	$(VENV)/bin/python -m edgebroker_tools.fleet.bench
 
-pipeline: venv  ## fleet pipeline on synthetic data: synth (small) -> build -> report, in build/pipeline/ (report.html there)
-	rm -rf build/pipeline && $(VENV)/bin/edgebroker fleet synth --gateways 200 --topics 50 --snapshots 3 --out build/pipeline/snapshots && $(VENV)/bin/edgebroker fleet build --snapshots build/pipeline/snapshots --out build/pipeline/warehouse --master 'local[2]' && $(VENV)/bin/edgebroker fleet report build/pipeline/warehouse
+pipeline: venv  ## fleet pipeline on synthetic data: synth (small) -> build (with progress) -> report, in build/pipeline/ (report.html there); prints its real duration
+	@start=$$(date +%s); rm -rf build/pipeline \
+	&& $(VENV)/bin/edgebroker fleet synth --gateways 200 --topics 50 --snapshots 3 --out build/pipeline/snapshots \
+	&& $(VENV)/bin/edgebroker fleet build --snapshots build/pipeline/snapshots --out build/pipeline/warehouse --master 'local[2]' \
+	&& $(VENV)/bin/edgebroker fleet report build/pipeline/warehouse \
+	&& echo "make pipeline: $$(( $$(date +%s) - start )) s in all"
 
 measure-memory: venv  ## heap costs under the MicroPython unix port -> boards/memory_costs.json
 	$(VENV)/bin/python -m edgebroker_tools.measure

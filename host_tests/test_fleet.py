@@ -44,7 +44,7 @@ from edgebroker_tools.fleet.job_args import Options
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "host_tests" / "data"
 BIN = Path(sys.executable).parent
-TABLE_NAMES = ("fleet_state", "topic_history", "gateway_health", "limits_advice")
+TABLE_NAMES = ("fleet_state", "topic_history", "gateway_health", "limits_advice", "collect_status")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -171,8 +171,14 @@ def _log(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def commit(warehouse: Path) -> dict[str, Any]:
+    """The warehouse's latest commit record (what a reader resolves)."""
+    names = sorted(p.name for p in (warehouse / "_commits").glob("[0-9]*.json"))
+    return json.loads((warehouse / "_commits" / names[-1]).read_text())
+
+
 def rows(warehouse: Path, name: str) -> list[dict[str, Any]]:
-    table = pq.read_table(warehouse / name)
+    table = pq.read_table(warehouse / commit(warehouse)["tables"][name])
     out = table.to_pylist()
     return sorted(out, key=lambda r: json.dumps(r, sort_keys=True, default=str))
 
@@ -207,6 +213,14 @@ ROUND2 = {
 }  # fmt: skip
 
 
+def opts(snapshots: Path | str, warehouse: Path | str, **kw: Any) -> Options:
+    """Build options; each board of the test fleet has one gateway, so the advice's
+    minimum sample is one gateway and one collection."""
+    kw.setdefault("min_gateways", 1)
+    kw.setdefault("min_collections", 1)
+    return Options(str(snapshots), str(warehouse), **kw)
+
+
 @pytest.fixture(scope="module")
 def round1(fleet: dict[str, Any], spark: Any) -> dict[str, Any]:
     for name, msgs in ROUND1.items():
@@ -215,7 +229,7 @@ def round1(fleet: dict[str, Any], spark: Any) -> dict[str, Any]:
     snaps = fleet["tmp"] / "snapshots"
     log = collect(fleet, snaps)
     wh = fleet["tmp"] / "warehouse"
-    result = job.build(spark, Options(snaps, wh))
+    result = job.build(spark, opts(snaps, wh))
     return {"log": log, "snapshots": snaps, "warehouse": wh, "result": result}
 
 
@@ -225,7 +239,7 @@ def round2(fleet: dict[str, Any], round1: dict[str, Any], spark: Any) -> dict[st
         publish(fleet["brokers"][name], msgs)
     time.sleep(1.2)
     log = collect(fleet, round1["snapshots"])
-    result = job.build(spark, Options(round1["snapshots"], round1["warehouse"]))
+    result = job.build(spark, opts(round1["snapshots"], round1["warehouse"]))
     return {**round1, "log2": log, "result2": result, "tables": tables(round1["warehouse"])}
 
 
@@ -352,16 +366,17 @@ def test_rebuild_is_idempotent_and_equals_a_fresh_build(
     round2: dict[str, Any], spark: Any, tmp_path: Path
 ) -> None:
     wh = round2["warehouse"]
-    again = job.build(spark, Options(round2["snapshots"], wh))
+    again = job.build(spark, opts(round2["snapshots"], wh))
     assert again.new_files == 0
     assert tables(wh) == round2["tables"]
+    # one build over both rounds == two builds; a file:// URI == a plain path
     fresh = tmp_path / "fresh"
-    job.build(spark, Options(round2["snapshots"], fresh))
-    assert tables(fresh) == round2["tables"]  # one build over both rounds == two builds
+    job.build(spark, opts(round2["snapshots"].as_uri(), fresh.as_uri()))
+    assert tables(fresh) == round2["tables"]
     # a copied snapshot (same collection under another name) is counted once
     src = next((round2["snapshots"] / "retained").rglob("gw-host__*.parquet"))
     shutil.copy(src, src.with_name("copy-of-" + src.name))
-    dup = job.build(spark, Options(round2["snapshots"], wh))
+    dup = job.build(spark, opts(round2["snapshots"], wh))
     assert dup.new_files == 1
     assert tables(wh) == round2["tables"]
     src.with_name("copy-of-" + src.name).unlink()
@@ -393,7 +408,7 @@ def test_bad_files_are_reported_and_skipped_nothing_else_lost(
     orphan = snaps / "stores" / "date=2025-06-01" / "gw-orphan__x.ebrs"
     shutil.copy(DATA / "good.ebrs", orphan)  # no .json beside it
     wh = tmp_path / "wh"
-    result = job.build(spark, Options(snaps, wh))
+    result = job.build(spark, opts(snaps, wh))
     skipped = {Path(s["path"]).name: s["error"] for s in result.skipped}
     assert set(skipped) == {
         "garbage.parquet", "truncated.parquet", "gw-bad__20250601T100000000000Z.ebrs",
@@ -414,7 +429,7 @@ def test_bad_files_are_reported_and_skipped_nothing_else_lost(
     assert others == round2["tables"]["fleet_state"]
     # the damaged store, taken as the broker would keep it
     wh2 = tmp_path / "wh2"
-    kept = job.build(spark, Options(snaps, wh2, keep_damaged_stores=True))
+    kept = job.build(spark, opts(snaps, wh2, keep_damaged_stores=True))
     assert "gw-corrupt__20250601T100000000000Z.ebrs" not in {
         Path(s["path"]).name for s in kept.skipped
     }
@@ -426,6 +441,7 @@ def test_report_and_advice_patches(round2: dict[str, Any], capsys: pytest.Captur
     assert cli_main(["fleet", "report", str(wh)]) == 0
     out = capsys.readouterr().out
     assert "esp32" in out and "stale topics" in out and "limits advice" in out
+    assert "gw-dead" in out  # could not be collected
     page = (wh / "report.html").read_text()
     assert page.count("<svg") >= 6
     assert "<script" not in page and "src=" not in page and "https://" not in page
@@ -434,7 +450,7 @@ def test_report_and_advice_patches(round2: dict[str, Any], capsys: pytest.Captur
     esp = advice["esp32"]
     # gw-esp refused at its limit of 4: the advice raises it with the headroom
     assert esp["suggested_max_retained_messages"] >= 8
-    patch = wh / esp["patch_file"]
+    patch = wh / commit(wh)["patches"] / Path(esp["patch_file"]).name
     assert json.loads(patch.read_text())["max_retained_messages"] == esp[
         "suggested_max_retained_messages"
     ]
@@ -457,9 +473,139 @@ def test_job_runs_under_spark_submit_with_two_executor_jvms(
         "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.session.timeZone=UTC",
         "--conf", "spark.sql.shuffle.partitions=4",
         str(REPO / "tools" / "edgebroker_tools" / "fleet" / "job.py"),
-        "--snapshots", str(round2["snapshots"]), "--out", str(wh),
+        "--snapshots", str(round2["snapshots"]), "--out", wh.as_uri(),
+        "--min-gateways", "1", "--min-collections", "1",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "ingested" in proc.stdout
     assert tables(wh) == round2["tables"]
+
+
+# ------------------------------------------------ warehouse on Hadoop filesystems
+def test_warehouse_on_a_hadoop_filesystem_that_is_not_the_local_disk(
+    round2: dict[str, Any], spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Snapshots and warehouse behind a viewfs:// mount table (Spark's own Hadoop client):
+    any os/pathlib/open shortcut on a location would miss it (or write ./viewfs:/...)."""
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "mounted"
+    target.mkdir()
+    mount = f"fleet{os.getpid()}"
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    conf.set(f"fs.viewfs.mounttable.{mount}.link./warehouse", target.as_uri())
+    conf.set(f"fs.viewfs.mounttable.{mount}.link./snapshots", round2["snapshots"].as_uri())
+    result = job.build(spark, opts(f"viewfs://{mount}/snapshots", f"viewfs://{mount}/warehouse"))
+    assert result.new_files == len(result.ingested) > 0
+    assert tables(target) == round2["tables"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mounted"]  # nothing beside it
+
+
+# ------------------------------------------------------------------ faults
+class Killed(BaseException):
+    """What os._exit does in the in-process fault runs: nothing after it runs."""
+
+
+def _leftovers(wh: Path) -> dict[str, list[str]]:
+    c = commit(wh)
+    named = {Path(t).parent.name for t in c["tables"].values()}
+    return {
+        "builds": sorted(p.name for p in (wh / "builds").iterdir() if p.name not in named),
+        "batches": sorted(
+            p.name for p in (wh / "_observations").iterdir() if p.name not in c["batches"]
+        ),
+        "tmp": sorted(
+            p.name for p in (wh / "_commits").iterdir() if p.name.endswith(".tmp")
+        ),
+    }
+
+
+def test_a_build_killed_at_each_step_leaves_the_previous_tables_and_the_next_repairs(
+    round2: dict[str, Any], spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snaps = tmp_path / "snaps"
+    shutil.copytree(round2["snapshots"], snaps)
+    wh = tmp_path / "wh"
+    shutil.copytree(round2["warehouse"], wh)
+    before = tables(wh)
+    _store(snaps, DATA / "good.ebrs", "gw-store", "20250601T100000000000Z")  # new input
+    # 1. a real process, ended hard (os._exit) by the hook after topic_history
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    env[job.FAIL_ENV] = "topic_history"
+    cmd = [sys.executable, "-m", "edgebroker_tools.fleet.job", "--master", "local[1]",
+           "--snapshots", str(snaps), "--out", str(wh), "--min-gateways", "1",
+           "--min-collections", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == job.FAIL_EXIT, proc.stderr[-4000:]
+    assert tables(wh) == before
+    assert _leftovers(wh)["builds"] and _leftovers(wh)["batches"]  # the dead build's
+    # 2. in this process, at every step: os._exit raises, so nothing after the step runs
+    def die(code: int) -> None:
+        raise Killed(code)
+
+    monkeypatch.setattr(job.os, "_exit", die)
+    for step in job.STEPS:
+        monkeypatch.setenv(job.FAIL_ENV, step)
+        with pytest.raises(Killed):
+            job.build(spark, opts(snaps, wh))
+        if step != "swap":  # the commit record is published at "swap"
+            assert tables(wh) == before, step
+    monkeypatch.delenv(job.FAIL_ENV)
+    committed = tables(wh)
+    assert committed != before and any(
+        r["gateway_id"] == "gw-store" for r in committed["fleet_state"]
+    )
+    # 3. the next build repairs: the tables a clean build gives, no leftovers
+    job.build(spark, opts(snaps, wh))
+    clean = tmp_path / "clean"
+    job.build(spark, opts(snaps, clean))
+    assert tables(wh) == tables(clean) == committed
+    left = _leftovers(wh)
+    assert len(left["builds"]) <= 1  # the previous commit's tables, kept for readers
+    assert not left["batches"] and not left["tmp"]
+
+
+# ------------------------------------------------------------------ report
+def test_report_renders_in_headless_chromium_and_names_the_gateways_to_act_on(
+    spark: Any, tmp_path: Path
+) -> None:
+    from edgebroker_tools.fleet import synth
+
+    snaps = tmp_path / "snaps"
+    synth.generate(snaps, 60, 8, 2, seed=3, per_file=30)
+    dead = {"run_id": "20250601T120000000000Z", "gateway_id": "gw-unreachable",
+            "address": "10.0.0.9:1883", "board": "esp32", "status": "failed", "attempts": 3,
+            "error": "connect: [Errno 111] Connection refused", "collected_at": None}  # fmt: skip
+    (snaps / "collect_log.jsonl").write_text(json.dumps(dead) + "\n")
+    wh = tmp_path / "wh"
+    job.build(spark, opts(snaps, wh))
+    latest = [r for r in rows(wh, "gateway_health") if r["is_latest"]]
+    worst_heap = max(latest, key=lambda r: r["heap_util"] or 0.0)["gateway_id"]
+    html = tmp_path / "report.html"
+    assert cli_main(["fleet", "report", str(wh), "--html", str(html)]) == 0
+    page = html.read_text()
+    assert "<script" not in page and "src=" not in page and "https://" not in page
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is needed (make venv installs it as root)"
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    shot = tmp_path / "report.png"
+    proc = subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1200,2400", html.as_uri()],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stderr
+    assert shot.stat().st_size > 20_000  # a page with content, not a blank one
+    dom = subprocess.run(
+        [*flags, "--dump-dom", html.as_uri()], capture_output=True, text=True, timeout=90,
+        check=False,
+    )  # fmt: skip
+    assert dom.returncode == 0
+    assert "Uncaught" not in dom.stderr and "CONSOLE" not in dom.stderr
+    for section in ("attention-table", "unreachable-table", "low-heap", "trends-table",
+                    "advice-table"):  # fmt: skip
+        assert f'id="{section}"' in dom.stdout, section
+    first = dom.stdout.split('id="attention-table"', 1)[1].split("</table>", 1)[0]
+    assert worst_heap in first  # the gateway with the least heap, in the first table
+    unreachable = dom.stdout.split('id="unreachable-table"', 1)[1].split("</table>", 1)[0]
+    assert "gw-unreachable" in unreachable and "Connection refused" in unreachable

@@ -198,7 +198,7 @@ META = decode.CollectionMeta("gw-s", "esp32", WHEN, "store", "r1", {"max_retaine
 
 
 def test_store_file_decodes_as_the_broker_would_load_it() -> None:
-    table = decode.read_store(str(DATA / "good.ebrs"), META)
+    table = decode.read_store((DATA / "good.ebrs").read_bytes(), META)
     assert table.schema == SNAPSHOT_SCHEMA
     rows = {r["topic"]: r for r in table.to_pylist()}
     assert rows[None]["gateway_id"] == "gw-s"  # the collection's header row
@@ -219,11 +219,11 @@ def test_store_file_decodes_as_the_broker_would_load_it() -> None:
 )  # fmt: skip
 def test_damaged_store_files_are_refused(name: str, says: str) -> None:
     with pytest.raises(decode.DecodeError, match=says):
-        decode.read_store(str(DATA / name), META)
+        decode.read_store((DATA / name).read_bytes(), META)
 
 
 def test_damaged_store_kept_on_request_is_the_good_prefix() -> None:
-    table = decode.read_store(str(DATA / "torn_tail.ebrs"), META, keep_damaged=True)
+    table = decode.read_store((DATA / "torn_tail.ebrs").read_bytes(), META, keep_damaged=True)
     assert table.num_rows >= 2
 
 
@@ -237,27 +237,29 @@ def test_snapshot_reader_fills_optional_columns_and_refuses_non_snapshots(tmp_pa
         }
     )
     pq.write_table(minimal, tmp_path / "min.parquet")
-    table = decode.read_snapshot(str(tmp_path / "min.parquet"))
+    table = decode.read_snapshot((tmp_path / "min.parquet").read_bytes())
     assert table.schema == SNAPSHOT_SCHEMA
     assert table.num_rows == 3  # a header row added for the collection
     assert [r["payload_text"] for r in table.to_pylist() if r["topic"]] == ["1", None]
     pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
     with pytest.raises(decode.DecodeError, match="not a snapshot"):
-        decode.read_snapshot(str(tmp_path / "other.parquet"))
+        decode.read_snapshot((tmp_path / "other.parquet").read_bytes())
     (tmp_path / "junk.parquet").write_bytes(b"PAR1junk")
     with pytest.raises(decode.DecodeError, match="unreadable Parquet"):
-        decode.read_snapshot(str(tmp_path / "junk.parquet"))
+        decode.read_snapshot((tmp_path / "junk.parquet").read_bytes())
 
 
 def test_ingest_reports_each_file_and_yields_only_good_ones(tmp_path: Path) -> None:
     (tmp_path / "junk.parquet").write_bytes(b"nope")
     units = pa.RecordBatch.from_pylist(
         [
-            {"kind": "store", "path": str(DATA / "good.ebrs"), "meta": META.to_json(),
+            {"kind": "store", "path": str(DATA / "good.ebrs"),
+             "content": (DATA / "good.ebrs").read_bytes(), "meta": META.to_json(),
              "keep_damaged": False},
-            {"kind": "parquet", "path": str(tmp_path / "junk.parquet"), "meta": None,
-             "keep_damaged": False},
-            {"kind": "store", "path": str(DATA / "empty.ebrs"), "meta": META.to_json(),
+            {"kind": "parquet", "path": str(tmp_path / "junk.parquet"), "content": b"nope",
+             "meta": None, "keep_damaged": False},
+            {"kind": "store", "path": str(DATA / "empty.ebrs"),
+             "content": (DATA / "empty.ebrs").read_bytes(), "meta": META.to_json(),
              "keep_damaged": False},
         ]
     )  # fmt: skip
@@ -285,3 +287,42 @@ def test_synth_is_deterministic_and_has_the_asked_shape(tmp_path: Path) -> None:
     assert any(r["message_expiry"] for r in rows)
     assert {r["board"] for r in rows} <= {"esp32", "rp2040_picow", "esp32s3", "rp2350_pico2w"}
     assert all(r["payload_text"] == "0.1.0" for r in rows if r["topic"] == "$SYS/broker/version")
+
+
+# ----------------------------------------------------------------- advice
+def _stats(gateways: int, collections: int, refused: int = 0) -> dict[str, Any]:
+    return {
+        "board": "esp32", "gateways": gateways, "collections": collections,
+        "current_max_retained_messages": 256, "current_max_payload_size": 512,
+        "current_store_budget_bytes": 65536, "count_q": [100.0, 180.0, 200.0],
+        "retained_count_max": 256 if refused else 210, "payload_q": [40.0, 60.0, 90.0],
+        "max_payload_max": 100, "bytes_q": [9000.0, 15000.0, 20000.0],
+        "retained_bytes_max": 22000, "rf": refused, "rtl": 0,
+    }  # fmt: skip
+
+
+def test_advice_below_the_minimum_sample_says_not_enough_data() -> None:
+    from edgebroker_tools.fleet import job
+
+    rows, patches = job.advise([_stats(3, 30)], 1.25, None, min_gateways=5, min_collections=10)
+    assert patches == {}
+    (row,) = rows
+    assert row["status"] == "not enough data" and row["suggested_max_retained_messages"] is None
+    assert "3 gateway(s), minimum 5" in row["why_max_retained_messages"]
+    rows, _ = job.advise([_stats(8, 9)], 1.25, None, min_gateways=5, min_collections=10)
+    assert "9 collection(s), minimum 10" in rows[0]["why_store_budget_bytes"]
+
+
+def test_advice_says_why_each_limit_changes() -> None:
+    from edgebroker_tools.fleet import job
+
+    rows, patches = job.advise([_stats(8, 24)], 1.25, None, min_gateways=5, min_collections=10)
+    row = rows[0]
+    assert row["status"] == "advice" and patches["esp32"]["max_retained_messages"] == 256
+    assert row["why_max_retained_messages"].startswith("keep max_retained_messages 256 -> 256")
+    assert "max 210 (above p99 200 x 1.25)" not in row["why_max_retained_messages"]
+    assert "p99 200 x 1.25 = 250" in row["why_max_retained_messages"]
+    refused, _ = job.advise([_stats(8, 24, refused=14)], 1.25, None)
+    why = refused[0]["why_max_retained_messages"]
+    assert why.startswith("raise max_retained_messages 256 -> 320")
+    assert "14 refused (retained_full) at the limit 256" in why

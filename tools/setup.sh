@@ -15,6 +15,8 @@
 #   3. Java >= 17 for PySpark (the fleet pipeline and its tests). Missing or
 #      older: as root with apt-get, openjdk-17-jre-headless is installed;
 #      otherwise the script says what to install and fails.
+#   4. chromium (headless) for the fleet report's rendering test: as root
+#      with apt-get when missing; otherwise the script says what to install.
 #
 # Environment: PYTHON (default python3) picks the interpreter for a new .venv.
 set -o errexit -o pipefail -o nounset
@@ -207,10 +209,28 @@ then rerun make venv. (Run as root, this script installs it itself.)"
     fi
 }
 
+# --- 4. chromium (the fleet report's rendering test) ---------------------------
+
+have_chromium() { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; }
+
+setup_chromium() {
+    have_chromium && return 0
+    if ! is_root; then
+        die "the fleet report test renders the page in Debian's chromium, which is missing. Install with:
+    sudo apt-get install -y chromium
+then rerun make venv. (Run as root, this script installs it itself.)"
+    fi
+    have_apt || die "chromium is missing and there is no apt-get here: install chromium (headless) with this system's package manager"
+    say "installing chromium with apt-get (the fleet report's rendering test)"
+    apt_install chromium
+    have_chromium || die "chromium still missing after apt-get install"
+}
+
 main() {
     setup_venv
     setup_mosquitto
     setup_java
+    setup_chromium
 }
 
 # Sourcing the file (e.g. to test one function) defines the functions only.

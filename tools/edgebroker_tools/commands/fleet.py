@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -112,7 +113,9 @@ def register(subparsers: Subparsers) -> None:
         description="Read the warehouse tables and print a summary; write an HTML page "
         "with inline SVG charts (utilisation against limits, stale topics, advice per board).",
     )
-    report.add_argument("warehouse", type=Path, metavar="WAREHOUSE/")
+    report.add_argument(
+        "warehouse", metavar="WAREHOUSE", help="a path or a file://, hdfs:// or s3:// URI"
+    )
     report.add_argument(
         "--html", type=Path, default=None, help="page to write (default WAREHOUSE/report.html)"
     )
@@ -182,12 +185,20 @@ def handle_collect(args: argparse.Namespace) -> int:
 
 
 def handle_build(args: argparse.Namespace) -> int:
-    from edgebroker_tools.fleet import job, spark
+    from edgebroker_tools.fleet import hfs, job, spark
 
+    t0 = time.monotonic()
     opts = job_args.options_from(args)
-    if not opts.snapshots.is_dir():  # before Spark takes seconds to start
+    local = hfs.local_path(opts.snapshots) if hfs.is_local(opts.snapshots) else None
+    if local is not None and not Path(local).is_dir():  # before Spark takes seconds to start
         raise CommandError(f"no such snapshot directory: {opts.snapshots}")
+    if opts.progress:
+        print(f"fleet build: starting Spark ({args.master})", file=sys.stderr, flush=True)
     session, owned = spark.session(str(args.master), driver_memory=str(args.driver_memory))
+    if opts.progress:
+        print(
+            f"fleet build: Spark up in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True
+        )
     try:
         result = job.build(session, opts)
     except job.BuildError as exc:
@@ -196,18 +207,23 @@ def handle_build(args: argparse.Namespace) -> int:
         if owned:
             session.stop()
     print(job.summary(result))
+    print(f"  {time.monotonic() - t0:.1f} s in all (Spark's start and stop included)")
     return 0
 
 
 def handle_report(args: argparse.Namespace) -> int:
-    from edgebroker_tools.fleet import report
+    from edgebroker_tools.fleet import hfs, report
 
-    warehouse = cast(Path, args.warehouse)
+    warehouse = str(args.warehouse)
+    html_path = cast("Path | None", args.html)
+    if html_path is None:
+        if not hfs.is_local(warehouse):
+            raise CommandError(f"{warehouse} is not a local path: give --html FILE")
+        html_path = Path(hfs.local_path(warehouse)) / "report.html"
     try:
         data = report.load(warehouse)
     except report.ReportError as exc:
         raise CommandError(str(exc)) from None
-    html_path = cast("Path | None", args.html) or warehouse / "report.html"
     print(report.text_summary(data, int(args.top)))
     html_path.write_text(report.html_page(data, int(args.top)), encoding="utf-8")
     print(f"\nHTML report: {html_path}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import binascii
 import importlib
+import io
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -60,11 +61,15 @@ def _entry(off: int, size: int, fields: tuple[Any, ...], topic: str) -> Report:
     }
 
 
-def inspect(es: ModuleType, path: str, wall_now: float | None = None) -> Report:
+def inspect(
+    es: ModuleType, path: str, wall_now: float | None = None, data: bytes | None = None
+) -> Report:
     """A read-only report of a store file as plain values (JSON ready):
     header, every live message (topic, qos, sizes, expiry), dead, torn and
     corrupt bytes. Decides exactly as FlashStore's open does (its replay()),
-    but never changes the file. Raises OSError when the file cannot be read."""
+    but never changes the file. Raises OSError when the file cannot be read.
+    With `data`, the file's bytes are given (a warehouse file read through
+    Spark) and `path` only names it."""
     rep: Report = {
         "path": path,
         "status": "ok",
@@ -85,7 +90,7 @@ def inspect(es: ModuleType, path: str, wall_now: float | None = None) -> Report:
         "unknown_types": [],
         "clock": {"stime": 0, "wall": 0},
     }
-    with Path(path).open("rb") as f:
+    with io.BytesIO(data) if data is not None else Path(path).open("rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
         head = f.read(8)

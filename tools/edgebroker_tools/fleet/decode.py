@@ -4,11 +4,14 @@ The Spark job runs ingest() on its executors (mapInArrow), one input file
 at a time, so nothing here may depend on the driver: only pyarrow, the
 standard library, props.py and lib/edgestore.py (shipped with the job).
 
-    read_snapshot(path)           a snapshot Parquet file, checked and cast to
+    read_snapshot(data)           a snapshot Parquet file's bytes, checked and cast to
                                   SNAPSHOT_SCHEMA (missing optional columns: nulls)
-    read_store(path, meta)        a flash store file decoded with edgestore's own
-                                  reader (inspect: the broker's decisions at open,
+    read_store(data, meta)        a flash store file's bytes decoded with edgestore's
+                                  own reader (inspect: the broker's decisions at open,
                                   then each live record read and decoded)
+
+The bytes come from Spark's binaryFile reader (the Hadoop FileSystem of the
+job's configuration), so nothing here opens a path of its own.
     table_for(meta, messages)     the rows of one collection (collect uses it too)
 
 A file that cannot be used raises DecodeError; ingest() turns that into a
@@ -19,6 +22,7 @@ taken whole or not at all.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -194,10 +198,10 @@ def conform(table: pa.Table, what: str) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=SNAPSHOT_SCHEMA)
 
 
-def read_snapshot(path: str) -> pa.Table:
-    """A snapshot Parquet file, read whole and conformed (DecodeError if unusable)."""
+def read_snapshot(data: bytes) -> pa.Table:
+    """A snapshot Parquet file's bytes, read whole and conformed (DecodeError if unusable)."""
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(pa.BufferReader(data))
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise DecodeError(f"unreadable Parquet: {exc}") from None
     return with_headers(conform(table, "snapshot"))
@@ -215,8 +219,20 @@ def load_edgestore() -> ModuleType:
         return importlib.import_module("edgestore")
 
 
-def read_store(path: str, meta: CollectionMeta, keep_damaged: bool = False) -> pa.Table:
-    """The live messages of a flash store file, as the broker would load them.
+class _BytesFs:
+    """edgestore's filesystem interface over one file's bytes (read only)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def open(self, path: str, mode: str) -> io.BytesIO:
+        if "r" not in mode or "+" in mode:
+            raise OSError(f"read-only: {path}")
+        return io.BytesIO(self.data)
+
+
+def read_store(data: bytes, meta: CollectionMeta, keep_damaged: bool = False) -> pa.Table:
+    """The live messages of a flash store file's bytes, as the broker would load them.
 
     store_report.inspect() makes the broker's decisions through
     edgestore.replay() (torn tail, corrupt records, expiry at the
@@ -228,8 +244,9 @@ def read_store(path: str, meta: CollectionMeta, keep_damaged: bool = False) -> p
     """
     es = load_edgestore()
     now = meta.collected_at.timestamp()
+    bfs = _BytesFs(data)
     try:
-        report = store_report.inspect(es, path, wall_now=now)
+        report = store_report.inspect(es, "store", wall_now=now, data=data)
     except OSError as exc:
         raise DecodeError(f"unreadable store file: {exc.strerror or exc}") from None
     status = cast(str, report["status"])
@@ -243,7 +260,7 @@ def read_store(path: str, meta: CollectionMeta, keep_damaged: bool = False) -> p
             detail.append(f"{report['corrupt']} corrupt record(s)")
         raise DecodeError(f"damaged store file ({', '.join(detail) or status})")
     messages: list[Message] = []
-    with Path(path).open("rb") as f:
+    with bfs.open("store", "rb") as f:
         size = f.seek(0, 2)
         for entry in cast(list[dict[str, Any]], report["live"]):
             off = cast(int, entry["offset"])
@@ -281,21 +298,21 @@ class FileStatus:
     error: str | None = None
 
 
-def read_unit(kind: str, path: str, meta: str | None, keep_damaged: bool) -> pa.Table:
-    """One input file -> its snapshot rows (DecodeError if unusable)."""
+def read_unit(kind: str, data: bytes, meta: str | None, keep_damaged: bool) -> pa.Table:
+    """One input file's bytes -> its snapshot rows (DecodeError if unusable)."""
     if kind == KIND_PARQUET:
-        return read_snapshot(path)
+        return read_snapshot(data)
     if kind == KIND_STORE:
         if not meta:
             raise DecodeError("store file without its .json metadata")
-        return read_store(path, CollectionMeta.from_json(meta), keep_damaged)
+        return read_store(data, CollectionMeta.from_json(meta), keep_damaged)
     raise DecodeError(f"unknown input kind {kind!r}")
 
 
 def ingest(
     batches: Iterable[pa.RecordBatch], statuses: list[FileStatus]
 ) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: batches of (kind, path, meta, keep_damaged) -> INGEST_SCHEMA batches.
+    """mapInArrow body: batches of (kind, path, content, meta, keep_damaged) -> INGEST_SCHEMA.
 
     Appends one FileStatus per input file to statuses (the job forwards them
     to the driver through an accumulator).
@@ -305,8 +322,9 @@ def ingest(
         for unit in units:
             kind = str(unit["kind"])
             path = str(unit["path"])
+            data = cast("bytes | None", unit.get("content")) or b""
             try:
-                table = read_unit(kind, path, unit.get("meta"), bool(unit.get("keep_damaged")))
+                table = read_unit(kind, data, unit.get("meta"), bool(unit.get("keep_damaged")))
             except DecodeError as exc:
                 statuses.append(FileStatus(path, kind, 0, str(exc)))
                 continue

@@ -3,22 +3,38 @@
     spark-submit --master local[2] tools/edgebroker_tools/fleet/job.py \\
         --snapshots SNAPSHOTS/ --out WAREHOUSE/
 
-Steps (table columns: the *_COLUMNS lists below; layout: schema.py):
+SNAPSHOTS and WAREHOUSE are URIs (file://, hdfs://, s3a://, viewfs://; a
+plain path is file://). Every read, write, listing and rename of either
+goes through Spark's readers and writers or the Hadoop FileSystem API of
+the session's configuration (hfs.py): nothing here assumes a local disk.
+
+Steps (table columns: the *_COLUMNS lists below; warehouse layout and the
+commit protocol: schema.py):
 
 1. Inputs: SNAPSHOTS/retained/**/*.parquet and SNAPSHOTS/stores/**/*.ebrs
-   (with their .json). Files already in WAREHOUSE/_manifest.json (same
-   path, size and mtime) were ingested by an earlier build and are not read.
-2. Ingest, on the executors: decode.ingest() reads each new file whole
-   (pyarrow for snapshots, edgestore's reader for store files), or reports
-   why not (an accumulator brings the per-file status back); the rows are
-   written as a new batch of WAREHOUSE/_observations.
-3. Everything else is recomputed from all batches, so the tables depend on
-   the set of rows ingested, never on the order of builds: a build over the
-   same input gives the same tables, and a build with new snapshots merges
-   them in (a late, older snapshot too). A collection (gateway, collected_at)
-   that arrived twice counts once (the latest batch's copy).
-4. Tables are written to a staging directory and moved into place at the
-   end; the manifest and _build.json last.
+   (with their .json), listed by Spark's binaryFile source. Files the
+   latest commit names (same path, size and mtime) were ingested by an
+   earlier build and are not read.
+2. Ingest, on the executors: binaryFile hands each new file's bytes to
+   decode.ingest(), which takes the file whole (pyarrow for snapshots,
+   edgestore's reader for store files) or reports why not (an accumulator
+   brings the per-file status back). The rows are kept in memory for the
+   steps below and written once, as this build's batch of _observations.
+3. Everything else is recomputed from all committed batches plus this
+   one, so the tables depend on the set of rows ingested, never on the
+   order of builds: a build over the same input gives the same tables, and
+   a build with new snapshots merges them in (a late, older snapshot too).
+   A collection (gateway, collected_at) that arrived twice counts once
+   (the latest batch's copy).
+4. Tables go to WAREHOUSE/builds/<build_id>/; then the commit record that
+   names them (and the batches and input files) is written under a hidden
+   name and renamed into WAREHOUSE/_commits/: until that rename readers see
+   the previous build, after it the new one. Then the tables of older
+   commits are deleted. A build killed at any point leaves the previous
+   commit intact; the next build deletes what the dead one left.
+5. Row counts come from observed metrics of the writes (no extra pass),
+   and a reporter thread prints the step, Spark's running stage and each
+   table's rows on stderr while it works.
 
 Definitions:
 - Retained state is every topic except $SYS/... (the broker's statistics,
@@ -47,6 +63,9 @@ Definitions:
   retained_too_large) was cut at its limit, so its data understates the
   need: the advice is then at least the current limit x headroom. Each
   patch is checked like `edgebroker config apply` does (heap, flash).
+  A board with fewer than --min-gateways gateways (5) or --min-collections
+  collections (10) gets "not enough data" and no patch; every suggestion
+  says why (the percentile or maximum it comes from, the refusals).
 """
 
 from __future__ import annotations
@@ -63,7 +82,8 @@ if not __package__:  # spark-submit runs this file as a script
 import argparse
 import json
 import math
-import shutil
+import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -73,7 +93,7 @@ from typing import Any, Final, cast
 import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.accumulators import AccumulatorParam
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F  # noqa: N812 (the usual name)
 from pyspark.sql.types import (
     ArrayType,
@@ -89,16 +109,20 @@ from pyspark.sql.types import (
 )
 
 from edgebroker_tools.fleet import decode
+from edgebroker_tools.fleet.hfs import Hfs, join
 from edgebroker_tools.fleet.job_args import Options, add_arguments, options_from
 from edgebroker_tools.fleet.schema import (
-    BUILD_LOG,
+    BUILDS,
+    COLLECT_LOG,
+    COMMIT_RE,
+    COMMITS,
     LIMIT_KEYS,
-    MANIFEST,
     OBSERVATIONS,
     PATCHES,
     RETAINED_DIR,
     STORES_DIR,
     TABLES,
+    commit_name,
     stamp,
 )
 
@@ -157,7 +181,8 @@ HEALTH_COLUMNS: Final = (
     "gateway_id", "board", "collected_at", "source", "run_id", "is_latest",
     "retained_count", "retained_bytes", "max_payload_bytes",
     "limit_max_retained_messages", "limit_max_payload_size", "limit_store_budget_bytes",
-    "limit_heap_reserve", "retained_util", "bytes_util", "payload_util",
+    "limit_heap_reserve", "limit_max_clients", "retained_util", "bytes_util", "payload_util",
+    "heap_util", "clients_util",
     "sys_retained_count", "sys_retained_bytes", "heap_free", "heap_alloc",
     "clients_connected", "uptime_s", "messages_received", "messages_sent",
     "messages_dropped", "broker_version", "refusals", "refusals_total",
@@ -167,7 +192,11 @@ HEALTH_COLUMNS: Final = (
 ADVICE_STRUCT: Final = StructType(
     [
         StructField("board", StringType(), False),
+        StructField("status", StringType()),  # advice | not enough data
         StructField("gateways", LongType()),
+        StructField("collections", LongType()),
+        StructField("min_gateways", LongType()),
+        StructField("min_collections", LongType()),
         StructField("current_max_retained_messages", LongType()),
         StructField("current_max_payload_size", LongType()),
         StructField("current_store_budget_bytes", LongType()),
@@ -186,6 +215,10 @@ ADVICE_STRUCT: Final = StructType(
         StructField("suggested_max_retained_messages", LongType()),
         StructField("suggested_max_payload_size", LongType()),
         StructField("suggested_store_budget_bytes", LongType()),
+        StructField("why_max_retained_messages", StringType()),
+        StructField("why_max_payload_size", StringType()),
+        StructField("why_store_budget_bytes", StringType()),
+        # patches/<board>.json: beside the tables (the commit record's "patches")
         StructField("patch_file", StringType()),
         StructField("check_status", StringType()),
         StructField("check_errors", ArrayType(StringType())),
@@ -222,46 +255,76 @@ class Result:
 @dataclass(frozen=True)
 class InputFile:
     kind: str
-    path: Path
-    rel: str
+    uri: str  # qualified, as Spark's binaryFile reader names it
+    rel: str  # relative to the snapshot location (the commit's "files" key)
     size: int
-    mtime_ns: int
+    mtime_ms: int
 
     @property
     def key(self) -> str:
-        return f"{self.rel}|{self.size}|{self.mtime_ns}"
+        return f"{self.rel}|{self.size}|{self.mtime_ms}"
 
 
-def list_inputs(snapshots: Path) -> list[InputFile]:
-    """Snapshot Parquet files and store files, sorted by path (dot-files skipped)."""
-    out: list[InputFile] = []
-    for kind, sub, pattern in (
+def _binary_files(spark: SparkSession, root: str, glob: str) -> DataFrame:
+    """Spark's binaryFile source: path, modificationTime, length, content (read lazily).
+
+    Like every Spark file source it skips names that start with '.' or '_'.
+    """
+    return (
+        spark.read.format("binaryFile")
+        .option("recursiveFileLookup", "true")
+        .option("pathGlobFilter", glob)
+        .load(root)
+    )
+
+
+def list_inputs(spark: SparkSession, fs: Hfs, snapshots: str) -> list[InputFile]:
+    """Snapshot Parquet files and store files, sorted by path (one Spark listing)."""
+    frames: list[DataFrame] = []
+    for kind, sub, glob in (
         (decode.KIND_PARQUET, RETAINED_DIR, "*.parquet"),
         (decode.KIND_STORE, STORES_DIR, "*.ebrs"),
     ):
-        root = snapshots / sub
-        if not root.is_dir():
-            continue
-        for path in sorted(root.rglob(pattern)):
-            if path.name.startswith(".") or not path.is_file():
-                continue
-            st = path.stat()
-            rel = str(path.relative_to(snapshots))
-            out.append(InputFile(kind, path.resolve(), rel, st.st_size, st.st_mtime_ns))
+        root = join(snapshots, sub)
+        if fs.is_dir(root):
+            frames.append(
+                _binary_files(spark, root, glob).select(
+                    F.lit(kind).alias("kind"),
+                    "path",
+                    "length",
+                    F.unix_millis("modificationTime").alias("mtime"),
+                )
+            )
+    if not frames:
+        return []
+    df = frames[0] if len(frames) == 1 else frames[0].unionByName(frames[1])
+    prefix = snapshots.rstrip("/") + "/"
+    out = [
+        InputFile(
+            str(r["kind"]),
+            str(r["path"]),
+            str(r["path"])[len(prefix) :] if str(r["path"]).startswith(prefix) else str(r["path"]),
+            int(r["length"]),
+            int(r["mtime"]),
+        )
+        for r in df.collect()
+    ]
+    return sorted(out, key=lambda f: f.rel)
+
+
+def store_metadata(spark: SparkSession, fs: Hfs, snapshots: str) -> dict[str, str]:
+    """The .json beside each store file, by the store file's URI."""
+    root = join(snapshots, STORES_DIR)
+    if not fs.is_dir(root):
+        return {}
+    rows = _binary_files(spark, root, "*.ebrs.json").select("path", "content").collect()
+    out: dict[str, str] = {}
+    for r in rows:
+        try:
+            out[str(r["path"]).removesuffix(".json")] = bytes(r["content"]).decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # reported as missing metadata
     return out
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 class _ListParam(AccumulatorParam[list[dict[str, Any]]]):
@@ -276,52 +339,112 @@ class _ListParam(AccumulatorParam[list[dict[str, Any]]]):
 
 
 # ------------------------------------------------------------------ ingest
-def ingest(
-    spark: SparkSession, files: Sequence[InputFile], keep_damaged: bool, target: Path
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Decode the files on the executors into a Parquet batch at target.
+#: Files handed to the Python decoder at once (each is a whole file's bytes).
+FILES_PER_ARROW_BATCH: Final = 4
 
-    Returns (ingested, skipped): one dict per file (path, kind, rows / error).
+
+@dataclass
+class Ingest:
+    """A new batch: its rows (decoded on the executors) and what became of each file."""
+
+    rows: DataFrame | None  # None: no usable file
+    statuses: Any  # the accumulator: read after the first action on rows
+    units: dict[str, InputFile]
+    skipped: list[dict[str, Any]]
+
+    def outcome(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(ingested, skipped): one dict per file (path, kind, rows / error)."""
+        by_uri: dict[str, dict[str, Any]] = {}
+        seen = self.statuses.value if self.statuses is not None else []
+        for status in cast(list[dict[str, Any]], seen):
+            by_uri[str(status["path"])] = status  # a retried task reports twice
+        ingested: list[dict[str, Any]] = []
+        skipped = list(self.skipped)
+        for uri, status in sorted(by_uri.items()):
+            f = self.units.get(uri)
+            entry = {"path": f.rel if f else uri, "kind": status["kind"]}
+            if status["error"]:
+                skipped.append({**entry, "error": status["error"]})
+            else:
+                ingested.append({**entry, "rows": status["rows"]})
+        return ingested, sorted(skipped, key=lambda e: str(e["path"]))
+
+
+def ingest(
+    spark: SparkSession, fs: Hfs, snapshots: str, files: Sequence[InputFile], keep_damaged: bool
+) -> Ingest:
+    """The new files' rows, decoded on the executors from Spark's binaryFile reader.
+
+    Nothing runs until the caller's first action on .rows (the batch write).
     """
     skipped: list[dict[str, Any]] = []
-    units: list[tuple[str, str, str | None, bool]] = []
+    metas = (
+        store_metadata(spark, fs, snapshots)
+        if any(f.kind == decode.KIND_STORE for f in files)
+        else {}
+    )
+    units: dict[str, InputFile] = {}
     for f in files:
-        meta = None
-        if f.kind == decode.KIND_STORE:
-            side = f.path.with_name(f.path.name + ".json")
-            try:
-                meta = side.read_text(encoding="utf-8")
-            except OSError:
-                skipped.append({"path": f.rel, "kind": f.kind, "error": f"no metadata {side.name}"})
-                continue
-        units.append((f.kind, str(f.path), meta, keep_damaged))
+        if f.kind == decode.KIND_STORE and f.uri not in metas:
+            name = f.uri.rsplit("/", 1)[-1] + ".json"
+            skipped.append({"path": f.rel, "kind": f.kind, "error": f"no metadata {name}"})
+            continue
+        units[f.uri] = f
     if not units:
-        return [], skipped
+        return Ingest(None, None, units, skipped)
     sc = spark.sparkContext
     acc = sc.accumulator(cast(list[dict[str, Any]], []), _ListParam())
+    kinds = {uri: f.kind for uri, f in units.items()}
+    unit_metas = {uri: metas.get(uri) for uri in units}
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         statuses: list[decode.FileStatus] = []
+
+        def units_of(batch: pa.RecordBatch) -> pa.RecordBatch:
+            paths = cast(list[str], batch.column("path").to_pylist())
+            return pa.RecordBatch.from_pydict(
+                {
+                    "kind": [kinds.get(p, decode.KIND_PARQUET) for p in paths],
+                    "path": paths,
+                    "content": batch.column("content"),
+                    "meta": [unit_metas.get(p) for p in paths],
+                    "keep_damaged": [keep_damaged] * len(paths),
+                }
+            )
+
         try:
-            yield from decode.ingest(batches, statuses)
+            yield from decode.ingest((units_of(b) for b in batches), statuses)
         finally:
             acc.add([asdict(s) for s in statuses])
 
-    slices = max(1, min(len(units), sc.defaultParallelism * 4))
-    df = spark.createDataFrame(units, UNITS_STRUCT).repartition(slices)
-    df.mapInArrow(run, INGEST_STRUCT).write.mode("overwrite").parquet(str(target))
-    by_path: dict[str, dict[str, Any]] = {}
-    for status in acc.value:  # a retried task reports twice: one per path
-        by_path[str(status["path"])] = status
-    rel = {str(f.path): f.rel for f in files}
-    ingested: list[dict[str, Any]] = []
-    for path, status in sorted(by_path.items()):
-        entry = {"path": rel.get(path, path), "kind": status["kind"]}
-        if status["error"]:
-            skipped.append({**entry, "error": status["error"]})
+    raw = spark.read.format("binaryFile").load(list(units)).select("path", "content")
+    rows = raw.mapInArrow(run, INGEST_STRUCT)
+    return Ingest(rows, acc, units, skipped)
+
+
+def _ingest_conf(spark: SparkSession, files: Sequence[InputFile]) -> dict[str, str | None]:
+    """Settings for the ingest action (whole files per Arrow batch, files spread over cores);
+    returns the previous values for _restore()."""
+    total = sum(f.size for f in files)
+    cores = spark.sparkContext.defaultParallelism
+    split = max(1 << 20, total // max(1, 3 * cores))
+    wanted = {
+        "spark.sql.execution.arrow.maxRecordsPerBatch": str(FILES_PER_ARROW_BATCH),
+        "spark.sql.files.maxPartitionBytes": str(min(split, 128 << 20)),
+        "spark.sql.files.openCostInBytes": str(min(4 << 20, split)),
+    }
+    before = {k: spark.conf.get(k, None) for k in wanted}
+    for k, v in wanted.items():
+        spark.conf.set(k, v)
+    return before
+
+
+def _restore(spark: SparkSession, before: dict[str, str | None]) -> None:
+    for k, v in before.items():
+        if v is None:
+            spark.conf.unset(k)
         else:
-            ingested.append({**entry, "rows": status["rows"]})
-    return ingested, skipped
+            spark.conf.set(k, v)
 
 
 def _empty(spark: SparkSession) -> DataFrame:
@@ -329,18 +452,20 @@ def _empty(spark: SparkSession) -> DataFrame:
     return spark.createDataFrame([], schema)
 
 
-def load_base(spark: SparkSession, out: Path, new_batch: Path | None, build_id: str) -> DataFrame:
-    """Every ingested row, with its batch id."""
+def load_base(
+    spark: SparkSession, out: str, batches: Sequence[str], new: DataFrame | None, build_id: str
+) -> DataFrame:
+    """Every ingested row with its batch id: the committed batches and this build's rows."""
     frames: list[DataFrame] = []
-    base = out / OBSERVATIONS
-    if base.is_dir() and any(base.glob("batch=*")):
-        frames.append(spark.read.schema(INGEST_STRUCT).parquet(str(base)))
-    if new_batch is not None and new_batch.is_dir():
+    if batches:
+        root = join(out, OBSERVATIONS)
         frames.append(
             spark.read.schema(INGEST_STRUCT)
-            .parquet(str(new_batch))
-            .withColumn("batch", F.lit(build_id))
+            .option("basePath", root)
+            .parquet(*(join(root, b) for b in batches))
         )
+    if new is not None:
+        frames.append(new.withColumn("batch", F.lit(build_id)))
     if not frames:
         return _empty(spark)
     df = frames[0]
@@ -360,17 +485,16 @@ def dedupe(base: DataFrame) -> DataFrame:
     """One copy of each collection: the latest batch's (then the largest file name).
 
     A collection is in more than one (batch, file) only when a file was
-    copied or changed and ingested again: a small aggregate finds those, and
-    only then are the rows filtered (a broadcast join with the few keys).
+    copied or changed and ingested again; collections() flags those (its
+    _lo/_hi columns differ), and only then does the build call this: a
+    small aggregate over the flagged keys, then a broadcast join.
     """
     key = F.struct(F.col("batch"), F.col("_file"))
-    h = F.xxhash64("batch", "_file")  # cheap to compare; the exact key decides below
+    h = _file_hash()
     keys = base.groupBy("gateway_id", "collected_at").agg(
         F.min(h).alias("_lo"), F.max(h).alias("_hi")
     )
     suspects = keys.where(F.col("_lo") != F.col("_hi")).select("gateway_id", "collected_at")
-    if not suspects.take(1):
-        return base
     dups = (
         base.join(F.broadcast(suspects), ["gateway_id", "collected_at"])
         .groupBy("gateway_id", "collected_at")
@@ -381,6 +505,10 @@ def dedupe(base: DataFrame) -> DataFrame:
         .where(F.col("_keep").isNull() | (key == F.col("_keep")))
         .drop("_keep")
     )
+
+
+def _file_hash() -> Column:
+    return F.xxhash64("batch", "_file")  # cheap to compare; the exact key decides in dedupe()
 
 
 def collections(obs: DataFrame) -> DataFrame:
@@ -408,6 +536,8 @@ def collections(obs: DataFrame) -> DataFrame:
         )
     )
     main = obs.groupBy("gateway_id", "collected_at").agg(
+        F.min(_file_hash()).alias("_lo"),
+        F.max(_file_hash()).alias("_hi"),
         F.count(F.when(state, 1)).alias("retained_count"),
         F.coalesce(F.sum(F.when(state, size)), F.lit(0)).cast("long").alias("retained_bytes"),
         F.coalesce(F.max(F.when(state, F.octet_length("payload"))), F.lit(0))
@@ -478,6 +608,15 @@ def health(coll: DataFrame, near: float) -> DataFrame:
         .withColumn("retained_util", util(count, "limit_max_retained_messages"))
         .withColumn("bytes_util", util(nbytes, "limit_store_budget_bytes"))
         .withColumn("payload_util", util(F.col("max_payload_bytes"), "limit_max_payload_size"))
+        .withColumn("clients_util", util(F.col("clients_connected"), "limit_max_clients"))
+        # heap: the reserve over what is free (100%: the broker refuses connections)
+        .withColumn(
+            "heap_util",
+            F.when(
+                F.col("heap_free").isNotNull() & (F.col("limit_heap_reserve") > 0),
+                F.col("limit_heap_reserve") / F.greatest(F.col("heap_free"), F.lit(1)),
+            ),
+        )
         .withColumn("near_retained_limit", F.coalesce(F.col("retained_util") >= near, F.lit(False)))
         .withColumn("near_payload_limit", F.coalesce(F.col("payload_util") >= near, F.lit(False)))
         .withColumn("near_store_budget", F.coalesce(F.col("bytes_util") >= near, F.lit(False)))
@@ -624,43 +763,146 @@ def fleet_state(
     return df.select(*STATE_COLUMNS)
 
 
+COLLECT_LOG_STRUCT: Final = StructType(
+    [
+        StructField("run_id", StringType()),
+        StructField("gateway_id", StringType()),
+        StructField("address", StringType()),
+        StructField("board", StringType()),
+        StructField("status", StringType()),
+        StructField("attempts", LongType()),
+        StructField("error", StringType()),
+        StructField("collected_at", StringType()),
+    ]
+)
+COLLECT_STATUS_COLUMNS: Final = (
+    "gateway_id", "board", "address", "status", "last_run_id", "attempts", "last_error",
+    "failed_runs", "last_ok_run_id", "last_ok_collected_at",
+)  # fmt: skip
+
+
+def collect_status(log: DataFrame) -> DataFrame:
+    """collect_status: per gateway, its latest collect attempt and its last success."""
+    ok = F.col("status") == "ok"
+    latest = F.max_by(F.struct("status", "attempts", "error", "address", "board"), F.col("run_id"))
+    return (
+        log.where(F.col("gateway_id").isNotNull())
+        .groupBy("gateway_id")
+        .agg(
+            latest.alias("_last"),
+            F.max("run_id").alias("last_run_id"),
+            F.count(F.when(~ok, 1)).alias("failed_runs"),
+            F.max(F.when(ok, F.col("run_id"))).alias("last_ok_run_id"),
+            F.max(F.when(ok, F.col("collected_at"))).alias("last_ok_collected_at"),
+        )
+        .select(
+            "gateway_id",
+            F.col("_last.board").alias("board"),
+            F.col("_last.address").alias("address"),
+            F.col("_last.status").alias("status"),
+            "last_run_id",
+            F.col("_last.attempts").alias("attempts"),
+            F.col("_last.error").alias("last_error"),
+            "failed_runs",
+            "last_ok_run_id",
+            F.to_timestamp("last_ok_collected_at").alias("last_ok_collected_at"),
+        )
+    )
+
+
 # ------------------------------------------------------------------ advice
 def _round_up(value: float, step: int) -> int:
     return int(math.ceil(max(value, 1.0) / step) * step)
 
 
 def advice_stats(gh: DataFrame) -> list[dict[str, Any]]:
-    """Per board, the distributions over each gateway's latest collection."""
-    latest = gh.where("is_latest")
-    count = F.coalesce(F.col("sys_retained_count"), F.col("retained_count"))
-    nbytes = F.coalesce(F.col("sys_retained_bytes"), F.col("retained_bytes"))
+    """Per board, the distributions over each gateway's latest collection (one aggregate
+    over gateway_health, which the build holds in memory)."""
+    latest = F.col("is_latest")
+
+    def last(c: Column | str) -> Column:
+        return F.when(latest, c if isinstance(c, Column) else F.col(c))
+
+    count = last(F.coalesce(F.col("sys_retained_count"), F.col("retained_count")))
+    nbytes = last(F.coalesce(F.col("sys_retained_bytes"), F.col("retained_bytes")))
+    payload = last("max_payload_bytes")
     q = F.array(F.lit(0.5), F.lit(0.9), F.lit(0.99))
     rows = (
-        latest.groupBy("board")
+        gh.groupBy("board")
         .agg(
-            F.count(F.lit(1)).alias("gateways"),
-            F.max("limit_max_retained_messages").alias("current_max_retained_messages"),
-            F.max("limit_max_payload_size").alias("current_max_payload_size"),
-            F.max("limit_store_budget_bytes").alias("current_store_budget_bytes"),
+            F.count(F.when(latest, 1)).alias("gateways"),
+            F.count(F.lit(1)).alias("collections"),
+            F.max(last("limit_max_retained_messages")).alias("current_max_retained_messages"),
+            F.max(last("limit_max_payload_size")).alias("current_max_payload_size"),
+            F.max(last("limit_store_budget_bytes")).alias("current_store_budget_bytes"),
             F.percentile(count, q).alias("count_q"),
             F.max(count).alias("retained_count_max"),
-            F.percentile("max_payload_bytes", q).alias("payload_q"),
-            F.max("max_payload_bytes").alias("max_payload_max"),
+            F.percentile(payload, q).alias("payload_q"),
+            F.max(payload).alias("max_payload_max"),
             F.percentile(nbytes, q).alias("bytes_q"),
             F.max(nbytes).alias("retained_bytes_max"),
-            F.sum(F.coalesce(F.col("refusals")["retained_full"], F.lit(0))).alias("rf"),
-            F.sum(F.coalesce(F.col("refusals")["retained_too_large"], F.lit(0))).alias("rtl"),
+            F.sum(last(F.coalesce(F.col("refusals")["retained_full"], F.lit(0)))).alias("rf"),
+            F.sum(last(F.coalesce(F.col("refusals")["retained_too_large"], F.lit(0)))).alias("rtl"),
         )
+        .where(F.col("gateways") > 0)
         .orderBy("board")
         .collect()
     )
     return [r.asDict() for r in rows]
 
 
+def _suggest(
+    key: str,
+    p99: float,
+    observed_max: float,
+    current: int | None,
+    refused: int,
+    cause: str,
+    headroom: float,
+    step: int,
+    use_p99: bool = True,
+) -> tuple[int, str]:
+    """One suggested limit and why: the observation it comes from and any refusals."""
+    base = max(p99 * headroom, observed_max) if use_p99 else observed_max * headroom
+    value = _round_up(base, step)
+    if use_p99:
+        why = (
+            f"p99 {p99:,.0f} x {headroom:g} = {p99 * headroom:,.0f}"
+            if p99 * headroom >= observed_max
+            else f"max {observed_max:,.0f} (above p99 {p99:,.0f} x {headroom:g})"
+        )
+    else:
+        why = f"largest {observed_max:,.0f} x {headroom:g} = {observed_max * headroom:,.0f}"
+    if refused and current:
+        floor = _round_up(current * headroom, step)
+        if floor > value:
+            value = floor
+            why = (
+                f"{refused:,} refused ({cause}) at the limit {current:,}, so the data is cut "
+                f"there: limit x {headroom:g}"
+            )
+        else:
+            why += f"; {refused:,} refused ({cause})"
+    why += f", to a multiple of {step:,} -> {value:,}"
+    if current:
+        change = "raise" if value > current else "lower" if value < current else "keep"
+        why = f"{change} {key} {current:,} -> {value:,}: {why}"
+    return value, why
+
+
 def advise(
-    stats: list[dict[str, Any]], headroom: float, boards: Path | None
+    stats: list[dict[str, Any]],
+    headroom: float,
+    boards: Path | None,
+    min_gateways: int = 5,
+    min_collections: int = 10,
+    patch_dir: str = PATCHES,
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
-    """Suggested limits per board and the profile patches (checked when the board is known)."""
+    """Suggested limits per board and the profile patches (checked when the board is known).
+
+    A board with fewer than min_gateways gateways or min_collections
+    collections gets no suggestion ("not enough data") and no patch.
+    """
     from edgebroker_tools import profiles
 
     out: list[dict[str, Any]] = []
@@ -673,41 +915,79 @@ def advise(
         cur_ret = cast("int | None", s["current_max_retained_messages"])
         cur_pay = cast("int | None", s["current_max_payload_size"])
         cur_bud = cast("int | None", s["current_store_budget_bytes"])
-        ret = _round_up(max(cq[2] * headroom, float(s["retained_count_max"] or 0)), 8)
-        if s["rf"] and cur_ret:  # refused at the limit: the data is cut there
-            ret = max(ret, _round_up(cur_ret * headroom, 8))
-        pay = _round_up(float(s["max_payload_max"] or 0) * headroom, 64)
-        if s["rtl"] and cur_pay:
-            pay = max(pay, _round_up(cur_pay * headroom, 64))
-        bud = _round_up(max(bq[2] * headroom, float(s["retained_bytes_max"] or 0)), 4096)
-        if s["rf"] and cur_bud:
-            bud = max(bud, _round_up(cur_bud * headroom, 4096))
+        gateways, colls = int(s["gateways"] or 0), int(s["collections"] or 0)
+        rf, rtl = int(s["rf"] or 0), int(s["rtl"] or 0)
+        row: dict[str, Any] = {
+            "board": board,
+            "gateways": gateways,
+            "collections": colls,
+            "current_max_retained_messages": cur_ret,
+            "current_max_payload_size": cur_pay,
+            "current_store_budget_bytes": cur_bud,
+            "retained_count_p50": float(cq[0]),
+            "retained_count_p90": float(cq[1]),
+            "retained_count_p99": float(cq[2]),
+            "retained_count_max": s["retained_count_max"],
+            "max_payload_p99": float(pq_[2]),
+            "max_payload_max": s["max_payload_max"],
+            "retained_bytes_p50": float(bq[0]),
+            "retained_bytes_p99": float(bq[2]),
+            "retained_bytes_max": s["retained_bytes_max"],
+            "refusals_retained_full": rf,
+            "refusals_retained_too_large": rtl,
+            "headroom": headroom,
+            "min_gateways": min_gateways,
+            "min_collections": min_collections,
+        }
+        short = []
+        if gateways < min_gateways:
+            short.append(f"{gateways} gateway(s), minimum {min_gateways}")
+        if colls < min_collections:
+            short.append(f"{colls} collection(s), minimum {min_collections}")
+        if short:
+            why = "not enough data: " + "; ".join(short)
+            out.append(
+                row
+                | {
+                    "status": "not enough data",
+                    "suggested_max_retained_messages": None,
+                    "suggested_max_payload_size": None,
+                    "suggested_store_budget_bytes": None,
+                    "why_max_retained_messages": why,
+                    "why_max_payload_size": why,
+                    "why_store_budget_bytes": why,
+                    "patch_file": None,
+                    "check_status": "not checked: not enough data",
+                    "check_errors": [],
+                }
+            )
+            continue
+        ret, why_ret = _suggest(
+            "max_retained_messages", cq[2], float(s["retained_count_max"] or 0), cur_ret, rf,
+            "retained_full", headroom, 8,
+        )  # fmt: skip
+        pay, why_pay = _suggest(
+            "max_payload_size", pq_[2], float(s["max_payload_max"] or 0), cur_pay, rtl,
+            "retained_too_large", headroom, 64, use_p99=False,
+        )  # fmt: skip
+        bud, why_bud = _suggest(
+            "store_budget_bytes", bq[2], float(s["retained_bytes_max"] or 0), cur_bud, rf,
+            "retained_full", headroom, 4096,
+        )  # fmt: skip
         patch = {"max_retained_messages": ret, "max_payload_size": pay, "store_budget_bytes": bud}
         patches[board] = patch
         status, errors = _check(board, patch, boards, profiles)
         out.append(
-            {
-                "board": board,
-                "gateways": s["gateways"],
-                "current_max_retained_messages": cur_ret,
-                "current_max_payload_size": cur_pay,
-                "current_store_budget_bytes": cur_bud,
-                "retained_count_p50": float(cq[0]),
-                "retained_count_p90": float(cq[1]),
-                "retained_count_p99": float(cq[2]),
-                "retained_count_max": s["retained_count_max"],
-                "max_payload_p99": float(pq_[2]),
-                "max_payload_max": s["max_payload_max"],
-                "retained_bytes_p50": float(bq[0]),
-                "retained_bytes_p99": float(bq[2]),
-                "retained_bytes_max": s["retained_bytes_max"],
-                "refusals_retained_full": int(s["rf"] or 0),
-                "refusals_retained_too_large": int(s["rtl"] or 0),
-                "headroom": headroom,
+            row
+            | {
+                "status": "advice",
                 "suggested_max_retained_messages": ret,
                 "suggested_max_payload_size": pay,
                 "suggested_store_budget_bytes": bud,
-                "patch_file": f"{PATCHES}/{board}.json",
+                "why_max_retained_messages": why_ret,
+                "why_max_payload_size": why_pay,
+                "why_store_budget_bytes": why_bud,
+                "patch_file": f"{patch_dir}/{board}.json",
                 "check_status": status,
                 "check_errors": errors,
             }
@@ -735,95 +1015,320 @@ def _check(
 
 
 # ------------------------------------------------------------------- build
-def _swap(staging: Path, out: Path, name: str) -> None:
-    src = staging / name
-    if not src.exists():
-        return
-    dest = out / name
-    if dest.exists():
-        old = staging / ("old-" + name)
-        dest.replace(old)
-    src.replace(dest)
+#: EDGEBROKER_FLEET_FAIL_AT=<step>: the build process exits hard (os._exit) right
+#: after that step, as if killed there (the fault tests use it).
+FAIL_ENV: Final = "EDGEBROKER_FLEET_FAIL_AT"
+FAIL_EXIT: Final = 86
+#: The steps, in order; each is a point where the fault hook can end the process.
+STEPS: Final = (
+    "ingest", "gateway_health", "topic_history", "fleet_state", "limits_advice", "patches",
+    "manifest", "swap",
+)  # fmt: skip
+#: Committed builds whose tables are kept (the latest and the one before, so that a
+#: reader that resolved the previous commit just before can finish).
+KEEP_COMMITS: Final = 2
+#: Input below this many bytes: one shuffle partition per core (fixed costs dominate).
+SMALL_INPUT_BYTES: Final = 64 << 20
+
+
+def checkpoint(step: str) -> None:
+    """The fault hook (see FAIL_ENV); a no-op unless the variable names this step."""
+    if os.environ.get(FAIL_ENV) == step:
+        sys.stderr.write(f"fleet-job: {FAIL_ENV}={step}: exiting hard\n")
+        sys.stderr.flush()
+        os._exit(FAIL_EXIT)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A commit record (schema.py): what a reader of the warehouse resolves."""
+
+    seq: int
+    data: dict[str, Any]
+
+    @property
+    def build_id(self) -> str:
+        return str(self.data["build_id"])
+
+    @property
+    def batches(self) -> list[str]:
+        return [str(b) for b in self.data.get("batches", [])]
+
+    @property
+    def files(self) -> dict[str, str]:
+        return {str(k): str(v) for k, v in dict(self.data.get("files", {})).items()}
+
+
+def commits(fs: Hfs, out: str) -> list[Commit]:
+    """The warehouse's commit records, oldest first (the last is its state)."""
+    found: list[Commit] = []
+    for st in fs.list(join(out, COMMITS)):
+        m = COMMIT_RE.match(st.name)
+        if m and not st.is_dir:
+            found.append(Commit(int(m.group(1)), json.loads(fs.read(st.path))))
+    return found
+
+
+def cleanup(fs: Hfs, out: str, kept: Sequence[Commit]) -> list[str]:
+    """Delete what no kept commit names: a dead build's batch, builds/ and temporary
+    files, and the tables of older commits. Returns the URIs removed."""
+    removed: list[str] = []
+    keep_builds = {c.build_id for c in kept}
+    keep_batches = set(kept[-1].batches) if kept else set()
+    keep_commits = {commit_name(c.seq) for c in kept}
+    for st in fs.list(join(out, BUILDS)):
+        if st.name not in keep_builds and fs.delete(st.path):
+            removed.append(st.path)
+    for st in fs.list(join(out, OBSERVATIONS)):
+        if st.name not in keep_batches and fs.delete(st.path):
+            removed.append(st.path)
+    for st in fs.list(join(out, COMMITS)):
+        if st.name not in keep_commits and fs.delete(st.path):
+            removed.append(st.path)
+    return removed
+
+
+class _Reporter:
+    """Progress on stderr while the build works: the step, Spark's running stage
+    (tasks done / all) every few seconds, and each step's rows and seconds."""
+
+    def __init__(self, spark: SparkSession, enabled: bool, every: float = 3.0) -> None:
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+        self.step = "start"
+        self._tracker = spark.sparkContext.statusTracker()
+        self._stop = threading.Event()
+        self._every = every
+        self._thread = threading.Thread(target=self._poll, name="fleet-progress", daemon=True)
+        if enabled:
+            self._thread.start()
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"  [{time.monotonic() - self.t0:6.1f} s] {text}\n")
+            sys.stderr.flush()
+
+    def begin(self, step: str) -> None:
+        self.step = step
+
+    def _poll(self) -> None:
+        last = ""
+        while not self._stop.wait(self._every):
+            try:
+                infos = [self._tracker.getStageInfo(s) for s in self._tracker.getActiveStageIds()]
+            except Exception:  # the session is stopping
+                return
+            running = [i for i in infos if i is not None]
+            if not running:
+                continue
+            text = ", ".join(
+                f"stage {i.stageId} {i.numCompletedTasks}/{i.numTasks} tasks" for i in running
+            )
+            if text != last:
+                last = text
+                self.say(f"{self.step}: {text}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def _write(df: DataFrame, uri: str, name: str) -> tuple[DataFrame, Observation]:
+    """df observed for its row count (no extra pass), and written as Parquet at uri."""
+    obs = Observation(name)
+    observed = df.observe(obs, F.count(F.lit(1)).alias("rows"))
+    observed.write.parquet(uri)
+    return observed, obs
+
+
+def _rows(obs: Observation) -> int:
+    return int(obs.get.get("rows") or 0)
 
 
 def build(spark: SparkSession, opts: Options) -> Result:
-    """Run the whole build (see the module docstring); returns what _build.json holds."""
-    t0 = time.monotonic()
-    if not opts.snapshots.is_dir():
-        raise BuildError(f"no such snapshot directory: {opts.snapshots}")
-    out = opts.out
-    out.mkdir(parents=True, exist_ok=True)
-    build_id = stamp(datetime.now(UTC))
-    staging = out / f".staging-{build_id}"
-    staging.mkdir()
-    try:
-        return _build(spark, opts, build_id, staging, t0)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _build(spark: SparkSession, opts: Options, build_id: str, staging: Path, t0: float) -> Result:
+    """Run the whole build (see the module docstring); returns the build log."""
     from edgebroker_tools.fleet import spark as fleet_spark
 
+    t0 = time.monotonic()
     fleet_spark.apply_required(spark)
-    out = opts.out
-    inputs = list_inputs(opts.snapshots)
-    manifest = _read_json(out / MANIFEST) or {}
-    done = cast(dict[str, Any], manifest.get("files", {}))
+    fs = Hfs(spark)
+    snapshots = fs.qualify(opts.snapshots)
+    out = fs.qualify(opts.out)
+    if not fs.is_dir(snapshots):
+        raise BuildError(f"no such snapshot directory: {opts.snapshots}")
+    fs.mkdirs(out)
+    history_ = commits(fs, out)
+    last = history_[-1] if history_ else None
+    cleanup(fs, out, history_[-KEEP_COMMITS:])  # what a killed build left behind
+    build_id = stamp(datetime.now(UTC))
+    reporter = _Reporter(spark, opts.progress)
+    try:
+        return _build(spark, fs, opts, snapshots, out, last, build_id, reporter, t0)
+    finally:
+        reporter.close()
+
+
+def _build(
+    spark: SparkSession,
+    fs: Hfs,
+    opts: Options,
+    snapshots: str,
+    out: str,
+    last: Commit | None,
+    build_id: str,
+    rep: _Reporter,
+    t0: float,
+) -> Result:
+    from edgebroker_tools.fleet import spark as fleet_spark
+
+    done = last.files if last else {}
+    batches = last.batches if last else []
+    rep.begin("list")
+    inputs = list_inputs(spark, fs, snapshots)
     new = [f for f in inputs if done.get(f.rel) != f.key]
     result = Result(build_id, None, len(inputs), len(new))
-    batch: Path | None = None
+    rep.say(f"{len(inputs)} input file(s), {len(new)} new")
+    if not fleet_spark.user_set(spark, "spark.sql.shuffle.partitions"):
+        seen = sum(int(k.rsplit("|", 2)[1]) for k in done.values() if k.count("|") >= 2)
+        total = seen + sum(f.size for f in new)
+        if total < SMALL_INPUT_BYTES:
+            cores = spark.sparkContext.defaultParallelism
+            spark.conf.set("spark.sql.shuffle.partitions", str(cores))
+    tables = join(out, BUILDS, build_id)
     tick = time.monotonic()
+    rep.begin("ingest")
+    new_rows: DataFrame | None = None
     if new:
         fleet_spark.ship_code(spark)
-        batch = staging / "batch"
-        result.ingested, result.skipped = ingest(spark, new, opts.keep_damaged_stores, batch)
+        got = ingest(spark, fs, snapshots, new, opts.keep_damaged_stores)
+        if got.rows is not None:
+            before = _ingest_conf(spark, new)
+            try:
+                cached = got.rows.persist(StorageLevel.MEMORY_AND_DISK)
+                _obs, count = _write(cached, join(out, OBSERVATIONS, f"batch={build_id}"), "ingest")
+                result.rows["ingested"] = _rows(count)
+            finally:
+                _restore(spark, before)
+            new_rows = cached
+        result.ingested, result.skipped = got.outcome()
         if not result.ingested:
-            batch = None
+            new_rows = None
     tick = result.step("ingest", tick)
-    base = load_base(spark, out, batch, build_id)
-    obs = dedupe(base)
+    rep.say(f"ingest: {len(result.ingested)} file(s), {result.rows.get('ingested', 0):,} rows, "
+            f"{len(result.skipped)} skipped")  # fmt: skip
+    checkpoint("ingest")
+    rep.begin("collections")
+    base = load_base(spark, out, batches, new_rows, build_id)
+    obs = base
     coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
-    as_of_row = coll.agg(F.max("collected_at")).first()
-    as_of = cast("datetime | None", as_of_row[0] if as_of_row else None)
+    probe = coll.agg(
+        F.max("collected_at"), F.max((F.col("_lo") != F.col("_hi")).cast("int"))
+    ).first()
+    if probe is not None and probe[1]:  # a collection in two files: keep one copy
+        obs = dedupe(base)
+        coll.unpersist()
+        coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
+    as_of = cast("datetime | None", probe[0] if probe else None)
     result.as_of = as_of.astimezone(UTC).isoformat() if as_of else None
     tick = result.step("collections", tick)
-    gh = health(coll, opts.near)
-    gh.write.parquet(str(staging / "gateway_health"))
-    tick = result.step("gateway_health", tick)
-    history(obs, coll).select(*HISTORY_COLUMNS).write.parquet(str(staging / "topic_history"))
-    tick = result.step("topic_history", tick)
-    hist = spark.read.parquet(str(staging / "topic_history"))
-    state = fleet_state(hist, coll, as_of or datetime.now(UTC), opts.stale_after)
-    state.write.parquet(str(staging / "fleet_state"))
-    tick = result.step("fleet_state", tick)
-    gh_written = spark.read.parquet(str(staging / "gateway_health"))
-    advice, patches = advise(advice_stats(gh_written), opts.headroom, opts.boards)
-    coll.unpersist()
-    spark.createDataFrame(advice, ADVICE_STRUCT).coalesce(1).write.parquet(
-        str(staging / "limits_advice")
+    rep.begin("gateway_health")
+    gh = health(coll, opts.near).persist(StorageLevel.MEMORY_AND_DISK)
+    _gh, count = _write(gh, join(tables, "gateway_health"), "gateway_health")
+    result.rows["gateway_health"] = _rows(count)
+    log_uri = join(snapshots, COLLECT_LOG)
+    log = (
+        spark.read.schema(COLLECT_LOG_STRUCT).json(log_uri)
+        if fs.exists(log_uri)
+        else spark.createDataFrame([], COLLECT_LOG_STRUCT)
     )
-    (staging / PATCHES).mkdir()
+    _c, count = _write(
+        collect_status(log).coalesce(1), join(tables, "collect_status"), "collect_status"
+    )
+    result.rows["collect_status"] = _rows(count)
+    tick = result.step("gateway_health", tick)
+    rep.say(f"gateway_health: {result.rows['gateway_health']:,} rows")
+    checkpoint("gateway_health")
+    rep.begin("topic_history")
+    _h, count = _write(
+        history(obs, coll).select(*HISTORY_COLUMNS), join(tables, "topic_history"), "topic_history"
+    )
+    result.rows["topic_history"] = _rows(count)
+    tick = result.step("topic_history", tick)
+    rep.say(f"topic_history: {result.rows['topic_history']:,} rows")
+    checkpoint("topic_history")
+    rep.begin("fleet_state")
+    # fleet_state is topic_history's latest segments: read back (column pruning and
+    # one filter) rather than computing the windows again or caching every segment
+    hist = spark.read.parquet(join(tables, "topic_history"))
+    state = fleet_state(hist, coll, as_of or datetime.now(UTC), opts.stale_after)
+    _s, count = _write(state, join(tables, "fleet_state"), "fleet_state")
+    result.rows["fleet_state"] = _rows(count)
+    tick = result.step("fleet_state", tick)
+    rep.say(f"fleet_state: {result.rows['fleet_state']:,} rows")
+    checkpoint("fleet_state")
+    rep.begin("limits_advice")
+    advice, patches = advise(
+        advice_stats(gh), opts.headroom, opts.boards, opts.min_gateways, opts.min_collections
+    )  # fmt: skip
+    coll.unpersist()
+    gh.unpersist()
+    spark.createDataFrame(advice, ADVICE_STRUCT).coalesce(1).write.parquet(
+        join(tables, "limits_advice")
+    )
+    result.rows["limits_advice"] = len(advice)
+    checkpoint("limits_advice")
     for board, patch in patches.items():
-        _write_json(staging / PATCHES / f"{board}.json", patch)
+        fs.write(join(tables, PATCHES, f"{board}.json"), _json_bytes(patch))
     tick = result.step("limits_advice", tick)
-    for name in TABLES:
-        result.rows[name] = spark.read.parquet(str(staging / name)).count()
-    tick = result.step("count", tick)
-    # move everything into place; the manifest last
-    if batch is not None:
-        (out / OBSERVATIONS).mkdir(exist_ok=True)
-        batch.replace(out / OBSERVATIONS / f"batch={build_id}")
-    for name in (*TABLES, PATCHES):
-        _swap(staging, out, name)
+    checkpoint("patches")
+    if new_rows is not None:
+        new_rows.unpersist()
+    # the commit: one record that names the new tables; written whole, then published
     files = dict(done)
     by_rel = {f.rel: f for f in new}
     for entry in result.ingested:
         files[entry["path"]] = by_rel[entry["path"]].key
-    _write_json(out / MANIFEST, {"files": files})
+    seq = (last.seq if last else 0) + 1
     result.seconds = round(time.monotonic() - t0, 3)
-    _write_json(out / BUILD_LOG, json.loads(result.to_json()))
+    record = {
+        "seq": seq,
+        "build_id": build_id,
+        "tables": {name: f"{BUILDS}/{build_id}/{name}" for name in TABLES},
+        "patches": f"{BUILDS}/{build_id}/{PATCHES}",
+        "batches": sorted({*batches, *([f"batch={build_id}"] if result.ingested else [])}),
+        "files": files,
+        "build": json.loads(result.to_json()),
+    }
+    tmp = join(out, COMMITS, f".{commit_name(seq)}.{build_id}.tmp")
+    fs.write(tmp, _json_bytes(record))
+    checkpoint("manifest")
+    if not fs.rename(tmp, join(out, COMMITS, commit_name(seq))):
+        fs.delete(tmp)
+        raise BuildError(f"another build committed {commit_name(seq)} first: nothing committed")
+    checkpoint("swap")
+    kept = commits(fs, out)[-KEEP_COMMITS:]
+    cleanup(fs, out, kept)
+    result.step("commit", tick)
+    result.seconds = round(time.monotonic() - t0, 3)
+    rep.say(f"committed {commit_name(seq)} ({result.seconds:.1f} s)")
     return result
+
+
+def _json_bytes(data: Any) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def table_uris(fs: Hfs, warehouse: str) -> dict[str, str]:
+    """The current tables' URIs (and "patches"), from the latest commit record."""
+    out = fs.qualify(warehouse)
+    found = commits(fs, out)
+    if not found:
+        raise BuildError(f"{warehouse} has no committed build: run `edgebroker fleet build` first")
+    data = found[-1].data
+    uris = {name: join(out, rel) for name, rel in dict(data["tables"]).items()}
+    uris[PATCHES] = join(out, str(data["patches"]))
+    return uris
 
 
 # ------------------------------------------------------------ spark-submit

@@ -11,13 +11,16 @@ from typing import cast
 
 @dataclass(frozen=True)
 class Options:
-    snapshots: Path
-    out: Path
+    snapshots: str  # a URI (file://, hdfs://, s3a://, viewfs://) or a plain path
+    out: str
     keep_damaged_stores: bool = False
     near: float = 0.9
     headroom: float = 1.25
     stale_after: timedelta = timedelta(hours=24)
     boards: Path | None = None  # board profiles for checking the advice (default: repo's)
+    min_gateways: int = 5  # per board, below which the advice is "not enough data"
+    min_collections: int = 10
+    progress: bool = False  # stage and rows on stderr while it works
 
 
 def _fraction(text: str) -> float:
@@ -40,6 +43,16 @@ def _factor(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected 1 or more")
+    return value
+
+
 def _hours(text: str) -> float:
     try:
         value = float(text)
@@ -52,8 +65,18 @@ def _hours(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The build's options (`edgebroker fleet build` and `spark-submit .../job.py`)."""
-    parser.add_argument("--snapshots", type=Path, required=True, metavar="SNAPSHOTS/")
-    parser.add_argument("--out", type=Path, required=True, metavar="WAREHOUSE/")
+    parser.add_argument(
+        "--snapshots",
+        required=True,
+        metavar="SNAPSHOTS",
+        help="snapshot location: a path or a URI (file://, hdfs://, s3a://, viewfs://)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="WAREHOUSE",
+        help="warehouse location: a path or a URI (file://, hdfs://, s3a://, viewfs://)",
+    )
     parser.add_argument(
         "--keep-damaged-stores",
         action="store_true",
@@ -74,6 +97,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a gateway silent this long before as_of makes its topics stale (24)",
     )
     parser.add_argument(
+        "--min-gateways",
+        type=_count,
+        default=5,
+        metavar="N",
+        help="gateways a board needs before its limits are advised (5)",
+    )
+    parser.add_argument(
+        "--min-collections",
+        type=_count,
+        default=10,
+        metavar="N",
+        help="collections a board needs before its limits are advised (10)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
         "--boards",
         type=Path,
         default=None,
@@ -84,11 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> Options:
     return Options(
-        snapshots=cast(Path, args.snapshots),
-        out=cast(Path, args.out),
+        snapshots=str(args.snapshots),
+        out=str(args.out),
         keep_damaged_stores=bool(args.keep_damaged_stores),
         near=float(args.near),
         headroom=float(args.headroom),
         stale_after=timedelta(hours=float(args.stale_after)),
         boards=cast("Path | None", args.boards),
+        min_gateways=int(args.min_gateways),
+        min_collections=int(args.min_collections),
+        progress=not args.no_progress,
     )

@@ -20,17 +20,37 @@ header row with a null topic: the build reads a collection's facts from it
 so what went missing from it). A snapshot written without header rows gets
 them when it is read (decode.with_headers).
 
-Warehouse directory (`fleet build` writes it, `fleet report` reads it):
+Warehouse (`fleet build` writes it, `fleet report` reads it). Its location
+is a URI (file://, hdfs://, s3a://, viewfs://; a plain path is file://);
+the build reaches it only through Spark and the Hadoop FileSystem API:
 
-    WAREHOUSE/fleet_state/      latest value per (gateway, topic)
-    WAREHOUSE/topic_history/    one row per value a topic held
-    WAREHOUSE/gateway_health/   one row per gateway and collection
-    WAREHOUSE/limits_advice/    one row per board
-    WAREHOUSE/patches/<board>.json   the advice as `edgebroker config apply` patches
-    WAREHOUSE/_observations/batch=<id>/   every snapshot row ingested so far (the base
-                                the tables are computed from; one batch per build)
-    WAREHOUSE/_manifest.json    input files already ingested (path, size, mtime)
-    WAREHOUSE/_build.json       the last build's log: inputs, skipped files, row counts
+    WAREHOUSE/_commits/<seq>.json    one per committed build (seq: 20 digits, rising);
+                                the highest is the warehouse's state (COMMIT below)
+    WAREHOUSE/builds/<build_id>/fleet_state/     latest value per (gateway, topic)
+    WAREHOUSE/builds/<build_id>/topic_history/   one row per value a topic held
+    WAREHOUSE/builds/<build_id>/gateway_health/  one row per gateway and collection
+    WAREHOUSE/builds/<build_id>/limits_advice/   one row per board
+    WAREHOUSE/builds/<build_id>/collect_status/  one row per gateway in SNAPSHOTS/collect_log.jsonl:
+                                its latest collect attempt (status, last error) and last success
+    WAREHOUSE/builds/<build_id>/patches/<board>.json   the advice as
+                                `edgebroker config apply` patches
+    WAREHOUSE/_observations/batch=<build_id>/   the snapshot rows one build ingested
+                                (the tables are computed from all committed batches)
+
+A commit record (JSON) names everything a reader needs:
+
+    {"seq": 3, "build_id": "...", "tables": {"fleet_state": "builds/<id>/fleet_state", ...},
+     "patches": "builds/<id>/patches", "batches": ["batch=<id>", ...],
+     "files": {"retained/date=.../x.parquet": "<rel>|<size>|<mtime ms>", ...},
+     "build": {the build log: inputs, ingested and skipped files, rows, steps, seconds}}
+
+Nothing is referenced before its commit record exists, and a commit record
+appears whole (written under a hidden name, then renamed to a new name), so
+a reader that resolves the latest commit never sees half a build. A build
+that dies leaves batches and builds/ directories no commit names: the next
+build deletes them (and the tables of commits older than the previous one).
+One build at a time per warehouse (two that race for the same sequence
+number: the second fails and commits nothing).
 """
 
 from __future__ import annotations
@@ -48,6 +68,7 @@ LIMIT_KEYS: Final = (
     "max_payload_size",
     "store_budget_bytes",
     "heap_reserve",
+    "max_clients",
 )
 LIMIT_COLUMNS: Final = tuple(f"limit_{k}" for k in LIMIT_KEYS)
 
@@ -65,6 +86,7 @@ _SNAPSHOT_FIELDS: list[pa.Field[Any]] = [
     pa.field("limit_max_payload_size", pa.int64()),
     pa.field("limit_store_budget_bytes", pa.int64()),
     pa.field("limit_heap_reserve", pa.int64()),
+    pa.field("limit_max_clients", pa.int64()),
     pa.field("topic", pa.string()),  # null: the marker row of an empty collection
     pa.field("payload", pa.binary()),
     pa.field("payload_text", pa.string()),  # the payload when it is UTF-8
@@ -87,11 +109,26 @@ RETAINED_DIR: Final = "retained"
 STORES_DIR: Final = "stores"
 COLLECT_LOG: Final = "collect_log.jsonl"
 
-TABLES: Final = ("fleet_state", "topic_history", "gateway_health", "limits_advice")
+TABLES: Final = (
+    "fleet_state", "topic_history", "gateway_health", "limits_advice", "collect_status",
+)  # fmt: skip
 OBSERVATIONS: Final = "_observations"
 PATCHES: Final = "patches"
-MANIFEST: Final = "_manifest.json"
-BUILD_LOG: Final = "_build.json"
+COMMITS: Final = "_commits"
+BUILDS: Final = "builds"
+#: A commit record's file name: the sequence number, zero-padded so names sort.
+COMMIT_RE: Final = re.compile(r"^([0-9]{20})\.json$")
+
+
+def commit_name(seq: int) -> str:
+    return f"{seq:020d}.json"
+
+
+def latest_commit(names: list[str]) -> str | None:
+    """The latest commit record among directory entry names (None: never built)."""
+    found = sorted(n for n in names if COMMIT_RE.match(n))
+    return found[-1] if found else None
+
 
 SOURCES: Final = frozenset({"mqtt", "store", "synth"})
 

@@ -93,6 +93,11 @@ def session(
     return spark, True
 
 
+def user_set(spark: SparkSession, key: str) -> bool:
+    """True when spark-submit's --conf (or the session's builder) set key."""
+    return bool(spark.sparkContext.getConf().contains(key))
+
+
 def apply_required(spark: SparkSession) -> None:
     """The settings the tables' content depends on (UTC, microsecond timestamps)."""
     for key, value in REQUIRED_CONF.items():

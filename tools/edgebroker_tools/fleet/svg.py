@@ -88,45 +88,116 @@ def hbars(
 
 def histogram(
     counts: Sequence[int],
-    edges_labels: Sequence[str],
+    bin_labels: Sequence[str],
     *,
     title: str,
+    x_title: str = "",
+    y_title: str = "count",
     color: str = PALETTE[0],
     highlight_from: int | None = None,
-    width: int = 300,
-    height: int = 150,
+    width: int = 330,
+    height: int = 200,
 ) -> str:
-    """Vertical bars, one per bin; bins from highlight_from on are drawn in red."""
+    """Vertical bars, one per bin, with both axes: a count above each bar, the bins'
+    labels under the x axis, 0 and the largest count on the y axis. Bins from
+    highlight_from on are drawn in red."""
     n = max(len(counts), 1)
-    top, bottom, left = 24, 30, 8
+    top, bottom, left, right = 34, 46, 40, 6
     plot_h = height - top - bottom
-    bw = (width - 2 * left) / n
+    plot_w = width - left - right
+    bw = plot_w / n
     cmax = max(counts, default=0) or 1
+    base = top + plot_h
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" '
         f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
         f'aria-label="{escape(title)}" {FONT}>',
         f'<text x="0" y="14" font-weight="bold">{escape(title)}</text>',
+        # y axis: line, 0 and the maximum, its title
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{base}" stroke="#888"/>',
+        f'<text x="{left - 4}" y="{base + 4}" text-anchor="end" fill="#555">0</text>',
+        f'<text x="{left - 4}" y="{top + 4}" text-anchor="end" fill="#555">{cmax:,}</text>',
+        f'<line x1="{left - 3}" y1="{top}" x2="{left}" y2="{top}" stroke="#888"/>',
+        f'<text x="4" y="{top + plot_h / 2:.1f}" fill="#555" font-size="10" '
+        f'transform="rotate(-90 10 {top + plot_h / 2:.1f})" text-anchor="middle">'
+        f"{escape(y_title)}</text>",
     ]
     for i, c in enumerate(counts):
         h = plot_h * c / cmax
         x = left + i * bw
         fill = PALETTE[2] if highlight_from is not None and i >= highlight_from else color
-        label = edges_labels[i] if i < len(edges_labels) else str(i)
+        label = bin_labels[i] if i < len(bin_labels) else str(i)
         out.append(
-            f'<rect x="{x + 1:.1f}" y="{top + plot_h - h:.1f}" width="{bw - 2:.1f}" '
-            f'height="{h:.1f}" fill="{fill}"><title>{escape(label)}: {c}</title></rect>'
+            f'<rect x="{x + 1:.1f}" y="{base - h:.1f}" width="{bw - 2:.1f}" '
+            f'height="{h:.1f}" fill="{fill}"><title>{escape(label)}: {c:,}</title></rect>'
         )
-    out.append(
-        f'<line x1="{left}" y1="{top + plot_h}" x2="{width - left}" y2="{top + plot_h}" '
-        f'stroke="#888"/>'
-    )
-    if edges_labels:
+        if c:
+            out.append(
+                f'<text x="{x + bw / 2:.1f}" y="{base - h - 3:.1f}" text-anchor="middle" '
+                f'font-size="9">{c:,}</text>'
+            )
+        if i % 2 == 0 or i == n - 1:
+            out.append(
+                f'<text x="{x + bw / 2:.1f}" y="{base + 13}" text-anchor="middle" '
+                f'font-size="9" fill="#555">{escape(label)}</text>'
+            )
+    out.append(f'<line x1="{left}" y1="{base}" x2="{width - right}" y2="{base}" stroke="#888"/>')
+    if x_title:
         out.append(
-            f'<text x="{left}" y="{height - 12}" fill="#555">{escape(edges_labels[0])}</text>'
-            f'<text x="{width - left}" y="{height - 12}" text-anchor="end" fill="#555">'
-            f"{escape(edges_labels[-1])}</text>"
+            f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" '
+            f'fill="#555" font-size="10">{escape(x_title)}</text>'
         )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def sparkline(
+    values: Sequence[float | int | None],
+    *,
+    title: str,
+    percent: bool = False,
+    width: int = 160,
+    height: int = 34,
+) -> str:
+    """A small line over a series (oldest left), its first and last value as text."""
+    pts = [(i, float(v)) for i, v in enumerate(values) if v is not None]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{escape(title)}" font-family="system-ui, sans-serif" font-size="10">'
+        f"<title>{escape(title)}</title>"
+    ]
+
+    def fmt(v: float) -> str:
+        return f"{100 * v:.0f}%" if percent else _fmt(v)
+
+    if pts:
+        lo = min(v for _, v in pts)
+        hi = max(v for _, v in pts)
+        span = (hi - lo) or 1.0
+        left, right, pad = 34, 40, 4
+        n = max(len(values) - 1, 1)
+        xy = [
+            (
+                left + (width - left - right) * i / n,
+                pad + (height - 2 * pad) * (1 - (v - lo) / span),
+            )
+            for i, v in pts
+        ]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+        out.append(
+            f'<polyline points="{path}" fill="none" stroke="{PALETTE[0]}" stroke-width="1.5"/>'
+        )
+        for x, y in xy:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2" fill="{PALETTE[0]}"/>')
+        out.append(
+            f'<text x="{left - 3}" y="{height / 2 + 3:.1f}" text-anchor="end" fill="#555">'
+            f"{escape(fmt(pts[0][1]))}</text>"
+            f'<text x="{width - right + 3}" y="{height / 2 + 3:.1f}">'
+            f"{escape(fmt(pts[-1][1]))}</text>"
+        )
+    else:
+        out.append(f'<text x="2" y="{height / 2 + 3:.1f}" fill="#777">no data</text>')
     out.append("</svg>")
     return "".join(out)
 

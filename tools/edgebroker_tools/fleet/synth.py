@@ -331,7 +331,11 @@ class Fleet:
             [
                 np.zeros(n, dtype=np.int64),  # version: text, below
                 self.uptime,
-                rng.integers(0, 5, n),
+                # clients connected: up to the profile's max_clients
+                np.minimum(
+                    rng.integers(0, 5, n),
+                    np.asarray(self.limits["max_clients"].fill_null(4).to_pylist())[self.board_idx],
+                ),
                 self.counters,
                 self.counters * 2,
                 rng.integers(0, 3, n),
