@@ -668,6 +668,51 @@ def packet(ptype, flags, body):
     return bytes((ptype << 4 | flags,)) + vbi(len(body)) + body
 
 
+def check_password(want, pw):
+    """A users entry against the password bytes a CONNECT carried.
+    Entries (made by `edgebroker passwd`):
+      pbkdf2_sha256:<iterations>:<salt hex>:<key hex>   salted, iterated
+      sha256:<hex>     bare digest: still read, refused by config check
+      anything else    plain text: read, warned about by config check"""
+    import binascii
+    import hashlib
+    if want.startswith("pbkdf2_sha256:"):
+        parts = want.split(":")
+        if len(parts) != 4:
+            return False
+        try:
+            n = int(parts[1])
+            salt = binascii.unhexlify(parts[2])
+            key = binascii.unhexlify(parts[3])
+        except ValueError:
+            return False
+        if not 1 <= n <= 1000000 or len(key) != 32:
+            return False
+        return _pbkdf2_sha256(pw, salt, n) == key
+    if want.startswith("sha256:"):
+        return binascii.hexlify(hashlib.sha256(pw).digest()).decode() == want[7:].lower()
+    return pw == want.encode()
+
+
+def _pbkdf2_sha256(pw, salt, n):
+    # PBKDF2-HMAC-SHA256 (RFC 8018), one 32-byte block: MicroPython has
+    # sha256 but no hmac or pbkdf2_hmac. The XOR of the n blocks runs on
+    # one big integer instead of 32 bytes at a time.
+    import hashlib
+    if len(pw) > 64:
+        pw = hashlib.sha256(pw).digest()
+    k = pw + bytes(64 - len(pw))
+    ipad = bytes(x ^ 0x36 for x in k)
+    opad = bytes(x ^ 0x5C for x in k)
+    sha = hashlib.sha256
+    u = sha(opad + sha(ipad + salt + b"\x00\x00\x00\x01").digest()).digest()
+    acc = int.from_bytes(u, "big")
+    for _ in range(n - 1):
+        u = sha(opad + sha(ipad + u).digest()).digest()
+        acc ^= int.from_bytes(u, "big")
+    return acc.to_bytes(32, "big")
+
+
 # ---------------------------------------------------------------- 5. topics
 def valid_topic_name(t):
     # MQTT-4.7.3-1: at least one character; MQTT-3.3.2-2: no wildcards.
@@ -844,7 +889,7 @@ class RamStore:
       close()
 
     Memory: on MicroPython a large contiguous block is what fails first (a
-    growing dict or list needs one twice its size: design.md), so nothing
+    growing dict or list needs one twice its size: docs/design.md), so nothing
     here grows as one piece. The index is a power of two of small dicts, about 16 topics each at the
     expected capacity (max_retained_messages) (topic -> location);
     messages sit in 32 partitions of pages of 32 chunks of 32 slots. So no
@@ -1580,11 +1625,7 @@ class Engine:
             return bool(self.cfg["allow_anonymous"]) and not users
         if pw is None:
             return False
-        if want.startswith("sha256:"):
-            import hashlib
-            import binascii
-            return binascii.hexlify(hashlib.sha256(pw).digest()).decode() == want[7:].lower()
-        return pw == want.encode()
+        return check_password(want, pw)
 
     def new_client_id(self):
         self._next_id += 1
