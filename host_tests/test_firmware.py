@@ -42,7 +42,8 @@ PORTS = ("esp32", "rp2")
 # ---------------------------------------------------------------- type checking
 @pytest.mark.parametrize("port", PORTS)
 def test_firmware_typechecks_against_port_stubs(port):
-    """mypy --strict over firmware/ with the port's MicroPython stubs as typeshed."""
+    """mypy --strict over firmware/ and the example app with the port's
+    MicroPython stubs as typeshed."""
     stubs = STUBS / port
     if not (stubs / "stdlib" / "VERSIONS").is_file() or not (stubs / "machine.pyi").is_file():
         pytest.fail("MicroPython %s stubs missing in %s: run `make venv` (tools/setup.sh installs "
@@ -51,7 +52,7 @@ def test_firmware_typechecks_against_port_stubs(port):
     env["MYPYPATH"] = os.pathsep.join([str(stubs), str(REPO / "lib"), str(REPO / "firmware")])
     res = subprocess.run(
         [str(VENV_BIN / "mypy"), "--config-file", str(MYPY_INI), "--custom-typeshed-dir",
-         str(stubs), "--no-incremental", "firmware/"],
+         str(stubs), "--no-incremental", "firmware/", "examples/app.py"],
         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=240,
     )
     assert res.returncode == 0, "mypy (%s stubs):\n%s%s" % (port, res.stdout, res.stderr)
@@ -139,7 +140,7 @@ def test_wifi_wrong_password_is_named():
 
 
 def test_background_reconnect_backs_off():
-    """Link lost: reconnects from on_tick, no more often than the backoff allows."""
+    """Link lost: reconnects from the housekeeping task, no more often than the backoff allows."""
     out = mpy_run(
         "import time\n"
         "w = fake_network.WLAN(fake_network.STA_IF)\n"
@@ -301,7 +302,7 @@ def test_crash_loop_ends_in_safe_mode_and_repairs(boards, dist, tmp_path):
         assert text.count("edgebroker: crashed (OSError(98") == 2, text
         assert [c for _m, c in b.boots] == ["power", "hard", "hard"]
         assert ("SAFE MODE: broker not started: 2 boots in a row ended before the broker had "
-                "served 30 s (safe_mode_crashes 2)") in text
+                "served 30 s, or their app.py crashed in that time (safe_mode_crashes 2)") in text
         assert "last crash (/last_crash.txt):" in text
         assert "EADDRINUSE" in (tmp_path / "board" / "last_crash.txt").read_text()
         assert len(b.boots) == 3  # safe mode broke the loop
@@ -317,14 +318,14 @@ def test_crash_loop_ends_in_safe_mode_and_repairs(boards, dist, tmp_path):
 
 
 def test_watchdog_survives_ctrl_c_and_fires_after_a_raw_soft_reset(boards, dist, tmp_path):
-    """watchdog_ms on: fed by on_tick while serving; after Ctrl-C a timer
+    """watchdog_ms on: fed by the housekeeping task while serving; after Ctrl-C a timer
     keeps feeding it (mpremote works); a soft reset from the raw REPL stops
     that timer, the watchdog fires, and the board boots the broker again."""
     place(tmp_path / "board", dist, {"watchdog_ms": 2500}, SECRETS)
     b = boards()
     assert b.wait_console("edgebroker listening on", timeout=15), b.console()
     assert "edgebroker: watchdog 2500 ms" in b.console()
-    time.sleep(3.5)  # longer than the timeout: on_tick feeds it
+    time.sleep(3.5)  # longer than the timeout: the housekeeping task feeds it
     assert len(b.boots) == 1
     out = mpremote(b, "exec", "import time; time.sleep(3.5); print('still here')")
     assert "still here" in out  # Ctrl-C stopped the broker; the timer fed the watchdog
