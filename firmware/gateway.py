@@ -418,7 +418,7 @@ class Watchdog:
 
 
 # ---------------------------------------------------------------- 5. safe mode
-def safe_mode_reason(limit: int) -> "str | None":
+def safe_mode_reason(limit: int, clear_after_s: int = CLEAR_AFTER_S) -> "str | None":
     """Why the broker must not start, or None."""
     if exists(SAFE_FLAG_PATH):
         try:
@@ -431,7 +431,7 @@ def safe_mode_reason(limit: int) -> "str | None":
     if limit > 0 and n >= limit:
         return (
             "%d boots in a row ended before the broker had served %d s, or their "
-            "app.py crashed in that time (safe_mode_crashes %d)" % (n, CLEAR_AFTER_S, limit)
+            "app.py crashed in that time (safe_mode_crashes %d)" % (n, clear_after_s, limit)
         )
     return None
 
@@ -724,7 +724,7 @@ def main(
         return
     limit = profile.get("safe_mode_crashes")
     limit = SAFE_MODE_CRASHES if limit is None else int(limit)
-    why = safe_mode_reason(limit)
+    why = safe_mode_reason(limit, clear_after_s)
     if why is not None:
         say("SAFE MODE: broker not started: " + why)
         if exists(LAST_CRASH_PATH):
