@@ -55,7 +55,9 @@ class Sensor:
 async def main(broker: "Any") -> None:
     settings = {"interval": 1.0}
 
-    def on_command(topic: str, payload: bytes, retained: bool, properties: "dict[str, Any]") -> None:
+    def on_command(
+        topic: str, payload: bytes, retained: bool, properties: "dict[str, Any]"
+    ) -> None:
         # Called from the event loop: keep it short, never block (no sleep).
         # A command kept retained from before a reset applies as well.
         what = topic[len(COMMANDS) :]
