@@ -31,6 +31,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -412,6 +413,39 @@ def test_emulate_refuses_a_profile_with_schema_errors(tmp_path):
 
 
 # ------------------------------------------------------------ --app
+class Output:
+    """emulate's stdout after the listening line, read by a thread (stop()'s
+    communicate(timeout=...) reads the pipe underneath the text buffer, so
+    lines readline() had buffered would be lost)."""
+
+    def __init__(self, emu):
+        self.emu = emu
+        self.lines = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.emu.proc.stdout:
+            self.lines.append(line)
+
+    def wait(self, text, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        """SIGINT, then the exit code once every line is read."""
+        self.emu.proc.send_signal(signal.SIGINT)
+        try:
+            self.emu.proc.wait(20)
+        finally:
+            self.thread.join(10)
+            code = self.emu.stop()
+        return code, "".join(self.lines)
+
 def wait_retained(port, topic, cid, timeout=10.0):
     """The retained message on topic, read by a fresh connection."""
     c = connect(port, cid)
@@ -434,6 +468,7 @@ def test_emulate_app_runs_the_example_beside_the_broker(tmp_path):
     real client publishes reaches it."""
     emu = Emulator("rp2040_picow", "micropython", tmp_path,
                    extra=["--no-monitor", "--app", str(REPO / "examples" / "app.py")])
+    output = Output(emu)
     try:
         assert "(micropython, async server, with app.py)" in emu.lines[-1], emu.lines
         m = wait_retained(emu.port, "sensors/gw1/temperature", "emu-sub")
@@ -444,10 +479,10 @@ def test_emulate_app_runs_the_example_beside_the_broker(tmp_path):
         c.disconnect()
         m = wait_retained(emu.port, "state/gw1/led", "emu-sub2")
         assert m is not None and m.payload == b"on", emu.log_text()
+        assert output.wait("app: led on")
         assert emu.alive()
     finally:
-        code = emu.stop()
-    out = "".join(emu.lines)
+        code, out = output.stop()
     assert code == 0, out + emu.log_text()
     assert "edgebroker: app: starting app.py main()" in out
     assert "app: led on" in out
@@ -459,16 +494,17 @@ def test_emulate_app_crash_leaves_the_broker_serving(tmp_path):
     app = tmp_path / "crash.py"
     app.write_text("async def main(broker):\n    raise RuntimeError('boom')\n")
     emu = Emulator("host", "cpython", tmp_path, extra=["--no-monitor", "--app", str(app)])
+    output = Output(emu)
     try:
         c = connect(emu.port, "emu-pub")
         c.publish_many([("after/crash", b"1")], retain=True)
         c.disconnect()
         m = wait_retained(emu.port, "after/crash", "emu-sub")
         assert m is not None and m.payload == b"1"
+        assert output.wait("app errors 1")
         assert emu.alive()
     finally:
-        code = emu.stop()
-    out = "".join(emu.lines)
+        code, out = output.stop()
     assert code == 0, out + emu.log_text()
     assert "app: app.py crashed (RuntimeError('boom')); the broker goes on, app errors 1" in out
     assert "RuntimeError: boom" in emu.log_text()  # the traceback (stderr under CPython)

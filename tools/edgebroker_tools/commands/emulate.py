@@ -116,9 +116,11 @@ else:
 
     try:
         asyncio.run(_serve())
+        _b.shutdown()
     except KeyboardInterrupt:
-        pass
-    _b.shutdown()
+        _b.shutdown()
+    except MemoryError:
+        pass  # as edgebroker.main: a Ctrl-C inside a collection locked the heap
 """
 
 
