@@ -8,14 +8,20 @@
 #   1. files and console     /board.json, /secrets.json, status lines
 #   2. clock                 wallclock() in Unix seconds, NTP
 #   3. Wi-Fi                 station with bounded exponential backoff, or access point
-#   4. watchdog              machine.WDT fed from the broker's on_tick
+#   4. watchdog              machine.WDT fed from the housekeeping task
 #   5. safe mode             a crash counter that breaks boot loops
-#   6. the gateway           run the broker; main() wraps it all
+#   6. the gateway           run the broker and the app; main() wraps it all
 #
 # Boot sequence (main()):
 #   profile -> safe mode check -> crash counter + 1 -> secrets -> watchdog ->
 #   Wi-Fi (or access point) -> clock -> retained store -> broker.listen ->
-#   broker.serve(on_tick) ... after CLEAR_AFTER_S of serving: crash counter = 0.
+#   one asyncio loop (asyncio.run) with three tasks:
+#     - the broker: `await broker.serve_async()`;
+#     - housekeeping, every HOUSEKEEPING_MS: feeds the watchdog, clears the
+#       crash counter after CLEAR_AFTER_S of serving, reconnects Wi-Fi,
+#       retries NTP;
+#     - the user's app, if /app.py exists: its `async def main(broker)`
+#       (firmware/userapp.py; README.md "Your code on the gateway").
 #
 # What happens when something is missing or fails (also in README.md,
 # "Flash a gateway"):
@@ -28,18 +34,28 @@
 #     backoff, WIFI_BASE_MS doubling up to WIFI_MAX_MS): the broker starts
 #     anyway and the station keeps reconnecting in the background.
 #   - NTP fails: the clock stays unset (wallclock() is None) and NTP is
-#     retried from on_tick with a growing interval.
-#   - an exception escapes the broker: the traceback goes to the console and
-#     to /last_crash.txt, then machine.reset() after CRASH_DELAY_MS (Ctrl-C
-#     in that window keeps the board at the REPL).
+#     retried from the housekeeping task with a growing interval.
+#   - an exception escapes the broker (or the housekeeping task, which then
+#     stops the broker): the traceback goes to the console and to
+#     /last_crash.txt, then machine.reset() after CRASH_DELAY_MS (Ctrl-C in
+#     that window keeps the board at the REPL).
+#   - the app's main() raises (or app.py does not import): traceback on the
+#     console, counted in broker.engine.app_errors, the broker goes on and
+#     main() is not started again until the next reset. "At boot" means
+#     before the broker has served CLEAR_AFTER_S: such a crash also goes to
+#     /last_crash.txt and the crash counter is not cleared, so the boot
+#     counts toward safe mode. A later crash does not count.
+#   - anything that holds the loop (a blocking call in the app included)
+#     longer than watchdog_ms starves the housekeeping task: watchdog reset.
 #   - safe_mode_crashes boots in a row that never served CLEAR_AFTER_S
-#     seconds (crashes, watchdog resets, power cuts during start-up), or a
-#     /safe_mode file (edgebroker flash writes it while copying): safe mode.
-#     The broker is not started, no watchdog, the board stays at the REPL
-#     and says why. gateway.clear() (or a new `edgebroker flash`) ends it.
-#   - Ctrl-C (also mpremote connecting): the broker stops, the boot is not
-#     counted as a crash, and a running watchdog (it cannot be stopped) is
-#     fed from a timer for MAINTENANCE_S so the REPL stays usable.
+#     seconds (crashes, watchdog resets, power cuts during start-up) or whose
+#     app crashed at boot, or a /safe_mode file (edgebroker flash writes it
+#     while copying): safe mode. The broker is not started, no app, no
+#     watchdog, the board stays at the REPL and says why. gateway.clear()
+#     (or a new `edgebroker flash`) ends it.
+#   - Ctrl-C (also mpremote connecting): the broker and the app stop, the
+#     boot is not counted as a crash, and a running watchdog (it cannot be
+#     stopped) is fed from a timer for MAINTENANCE_S so the REPL stays usable.
 #
 # Type-checked with mypy against micropython-esp32-stubs and
 # micropython-rp2-stubs (host_tests/test_firmware.py). Annotations cost
@@ -69,8 +85,10 @@ CRASHES_PATH = "/crashes"  # boots in a row that did not serve CLEAR_AFTER_S
 SAFE_FLAG_PATH = "/safe_mode"  # present: safe mode (its text says why)
 LAST_CRASH_PATH = "/last_crash.txt"
 DATA_DIR = "/data"  # the retained store's directory
+APP_PATH = "/app.py"  # the user's code (userapp.py): `edgebroker flash --app FILE` puts it here
 
-CLEAR_AFTER_S = 30  # serving this long clears the crash counter
+CLEAR_AFTER_S = 30  # serving this long clears the crash counter ("at boot": before that)
+HOUSEKEEPING_MS = 1000  # watchdog feed, crash counter, Wi-Fi, NTP: this often
 CRASH_DELAY_MS = 2000  # pause before machine.reset() after a crash (Ctrl-C stays)
 SAFE_MODE_CRASHES = 3  # default of the profile's safe_mode_crashes (0 = off)
 MAINTENANCE_S = 600  # after Ctrl-C, a running watchdog is fed this long
@@ -275,7 +293,7 @@ def connect_wifi(
 
 
 class Reconnector:
-    """Background station reconnects from on_tick, never blocking: connect()
+    """Background station reconnects from the housekeeping task, never blocking: connect()
     starts an association; the next try waits an exponentially growing
     delay (capped at max_ms) while the link stays down."""
 
@@ -400,7 +418,7 @@ class Watchdog:
 
 
 # ---------------------------------------------------------------- 5. safe mode
-def safe_mode_reason(limit: int) -> "str | None":
+def safe_mode_reason(limit: int, clear_after_s: int = CLEAR_AFTER_S) -> "str | None":
     """Why the broker must not start, or None."""
     if exists(SAFE_FLAG_PATH):
         try:
@@ -412,8 +430,8 @@ def safe_mode_reason(limit: int) -> "str | None":
     n = read_int(CRASHES_PATH)
     if limit > 0 and n >= limit:
         return (
-            "%d boots in a row ended before the broker had served %d s "
-            "(safe_mode_crashes %d)" % (n, CLEAR_AFTER_S, limit)
+            "%d boots in a row ended before the broker had served %d s, or their "
+            "app.py crashed in that time (safe_mode_crashes %d)" % (n, clear_after_s, limit)
         )
     return None
 
@@ -453,15 +471,18 @@ def _reset_cause() -> str:
 
 # ---------------------------------------------------------------- 6. the gateway
 class Gateway:
-    """One boot's run: network, clock, store, broker. run() returns when
+    """One boot's run: network, clock, store, then one asyncio loop with the
+    broker, the housekeeping task and the user's app. run() returns when
     there is nothing to do (no credentials) or the broker was stopped; it
-    raises what the broker raises (main() decides what that means)."""
+    raises what the broker or the housekeeping raises (main() decides what
+    that means). A crash of the app is not raised: see app()."""
 
     def __init__(
         self,
         profile: "dict[str, Any]",
         secrets: "dict[str, Any] | None",
         clear_after_s: int = CLEAR_AFTER_S,
+        safe_limit: int = SAFE_MODE_CRASHES,
     ) -> None:
         self.profile = profile
         self.secrets = secrets
@@ -473,7 +494,11 @@ class Gateway:
         self.ntp_every_s = NTP_RETRY_S
         self.ntp_next_ms = time.ticks_ms()
         self.t0 = time.ticks_ms()
-        self.cleared = False
+        self.boot_over = False  # served clear_after_s: later crashes are not at boot
+        self.cleared = False  # ... and the crash counter was cleared
+        self.app_crashed = False  # app.py crashed at boot: the counter stays
+        self.safe_limit = safe_limit
+        self.failure: "Exception | None" = None  # what stopped the broker from beside it
 
     def wait(self, ms: int) -> None:
         """Sleep in watchdog-sized steps, feeding it."""
@@ -532,24 +557,12 @@ class Gateway:
         self.ntp_next_ms = time.ticks_add(time.ticks_ms(), self.ntp_every_s * 1000)
         return True
 
-    def open_store(self, eb: "Any", cfg: "dict[str, Any]", clock: "Any") -> "Any":
-        """The retained store cfg["storage_type"] asks for, in DATA_DIR
-        (edgebroker.open_store); None (the broker's RAM store) if this
-        broker has no open_store."""
-        opener = getattr(eb, "open_store", None)
-        if opener is None:
-            if cfg.get("storage_type", "ram") != "ram":
-                say("retained messages kept in RAM: this broker has no open_store()")
-            return None
-        try:
-            os.mkdir(DATA_DIR)
-        except OSError:
-            pass  # exists
-        return opener(cfg, DATA_DIR, clock=clock, wallclock=wallclock, log=store_log)
-
-    def run(self) -> None:
-        if not self.network_up():
-            return
+    def start_broker(self) -> "Any":
+        """edgebroker's public API: the profile's limits (with the users of
+        /secrets.json), its retained store in DATA_DIR, listening on the
+        profile's bind:port. What edgebroker.start() does, but the store
+        gets this board's wallclock(), which knows whether NTP set the clock
+        (an RP2 boots with its RTC at 2021-01-01, a date that looks set)."""
         gc.collect()
         import edgebroker  # here, not at the top: an import failure is a crash like any other
 
@@ -559,28 +572,113 @@ class Gateway:
             merged = dict(cfg.get("users") or {})
             merged.update(users)
             cfg["users"] = merged
-        # one monotonic clock for the store and the broker (expiry deadlines)
-        mono = getattr(edgebroker, "MonoClock", None)
-        clock = mono() if mono is not None else None
-        store = self.open_store(edgebroker, cfg, clock)
+        clock = edgebroker.MonoClock()  # one monotonic clock for the store and the broker
+        try:
+            os.mkdir(DATA_DIR)
+        except OSError:
+            pass  # exists
+        store = edgebroker.open_store(cfg, DATA_DIR, clock, wallclock, store_log)
         broker = edgebroker.Broker(cfg, store, clock)
         bind = self.profile.get("bind") or BIND
         port = int(self.profile.get("port") or PORT)
-        broker.listen(bind, port)
+        try:
+            broker.listen(bind, port)
+        except OSError:
+            store.close()
+            raise
         gc.collect()
-        self.t0 = time.ticks_ms()
         print("edgebroker listening on %s:%d (%s)" % (bind, port, sys.implementation.name))
-        broker.serve(on_tick=self.tick)
+        return broker
 
-    def tick(self, broker: "Any") -> None:
-        """From broker.serve about once a second: watchdog, crash counter,
-        Wi-Fi, NTP. Must stay short: the broker waits for it."""
+    def run(self) -> None:
+        if not self.network_up():
+            return
+        broker = self.start_broker()
+        import asyncio
+
+        try:
+            asyncio.run(self.serve(broker))
+        finally:
+            # Ctrl-C leaves asyncio.run() from whichever task it hit, so the
+            # broker may not have shut down; shutdown() is a no-op if it did.
+            # A fresh event loop drops the tasks left queued, so asyncio code
+            # typed at the REPL afterwards does not run them.
+            broker.shutdown()
+            asyncio.new_event_loop()
+        if self.failure is not None:
+            raise self.failure
+
+    async def serve(self, broker: "Any") -> None:
+        """The broker's asyncio server with the housekeeping task and, if
+        /app.py exists, the user's app beside it."""
+        import asyncio
+
+        self.t0 = time.ticks_ms()
+        tasks = [asyncio.create_task(self.housekeeping(broker))]
+        if exists(APP_PATH):
+            tasks.append(asyncio.create_task(self.app(broker)))
+        try:
+            await broker.serve_async()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def housekeeping(self, broker: "Any") -> None:
+        """Beside the broker, every HOUSEKEEPING_MS: watchdog, crash
+        counter, Wi-Fi, NTP. Its own task, so a loop held up by anything
+        (the broker, the app, a blocking call) starves the watchdog. An
+        exception here stops the broker and run() raises it: a crash."""
+        import asyncio
+
+        try:
+            while broker.running:
+                self.tick()
+                await asyncio.sleep_ms(HOUSEKEEPING_MS)
+        except Exception as e:
+            self.failure = e
+            broker.stop()
+
+    async def app(self, broker: "Any") -> None:
+        """/app.py's main(broker), through userapp.run (which logs and counts
+        a crash). A crash at boot (before the broker has served
+        CLEAR_AFTER_S) is recorded in LAST_CRASH_PATH and keeps this boot
+        counted in the crash counter: safe_mode_crashes such boots in a row
+        mean safe mode. A later crash does not count."""
+        import userapp
+
+        e = await userapp.run(broker, say)
+        if e is None:
+            return
+        if self.boot_over:
+            say("app.py is not restarted until the next reset")
+            return
+        self.app_crashed = True
+        try:
+            write_text(LAST_CRASH_PATH, format_exc(e)[-2048:])
+        except OSError:
+            pass
+        say(
+            "app.py crashed at boot: this boot counts toward safe mode (crash counter %d, "
+            "safe mode at %d); app.py is not restarted until the next reset"
+            % (read_int(CRASHES_PATH), self.safe_limit)
+        )
+
+    def tick(self) -> None:
+        """From the housekeeping task: watchdog, crash counter, Wi-Fi, NTP.
+        Must stay short: the broker waits for it."""
         self.wdt.feed()
         now = time.ticks_ms()
-        if not self.cleared and time.ticks_diff(now, self.t0) >= self.clear_after_ms:
-            self.cleared = True
-            write_text(CRASHES_PATH, "0")
-            say("up %d s: crash counter cleared" % (self.clear_after_ms // 1000))
+        if not self.boot_over and time.ticks_diff(now, self.t0) >= self.clear_after_ms:
+            self.boot_over = True
+            if self.app_crashed:
+                say(
+                    "up %d s; app.py crashed at boot: crash counter stays %d"
+                    % (self.clear_after_ms // 1000, read_int(CRASHES_PATH))
+                )
+            else:
+                self.cleared = True
+                write_text(CRASHES_PATH, "0")
+                say("up %d s: crash counter cleared" % (self.clear_after_ms // 1000))
         wifi = self.wifi
         if wifi is not None:
             wifi.poll(now)
@@ -626,7 +724,7 @@ def main(
         return
     limit = profile.get("safe_mode_crashes")
     limit = SAFE_MODE_CRASHES if limit is None else int(limit)
-    why = safe_mode_reason(limit)
+    why = safe_mode_reason(limit, clear_after_s)
     if why is not None:
         say("SAFE MODE: broker not started: " + why)
         if exists(LAST_CRASH_PATH):
@@ -643,7 +741,7 @@ def main(
         return
     before = read_int(CRASHES_PATH)
     write_text(CRASHES_PATH, str(before + 1))
-    gw = Gateway(profile, load_secrets(secrets_path), clear_after_s)
+    gw = Gateway(profile, load_secrets(secrets_path), clear_after_s, limit)
     try:
         gw.run()
     except KeyboardInterrupt:

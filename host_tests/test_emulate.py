@@ -31,6 +31,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -409,3 +410,101 @@ def test_emulate_refuses_a_profile_with_schema_errors(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert "max_clientz" in r.stderr and "unknown key" in r.stderr
+
+
+# ------------------------------------------------------------ --app
+class Output:
+    """emulate's stdout after the listening line, read by a thread (stop()'s
+    communicate(timeout=...) reads the pipe underneath the text buffer, so
+    lines readline() had buffered would be lost)."""
+
+    def __init__(self, emu):
+        self.emu = emu
+        self.lines = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.emu.proc.stdout:
+            self.lines.append(line)
+
+    def wait(self, text, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        """SIGINT, then the exit code once every line is read."""
+        self.emu.proc.send_signal(signal.SIGINT)
+        try:
+            self.emu.proc.wait(20)
+        finally:
+            self.thread.join(10)
+            code = self.emu.stop()
+        return code, "".join(self.lines)
+
+def wait_retained(port, topic, cid, timeout=10.0):
+    """The retained message on topic, read by a fresh connection."""
+    c = connect(port, cid)
+    try:
+        c.subscribe([(topic, 0)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p = c.poll_packet(0.5)
+            if p is not None and p[0] >> 4 == 3:
+                return parse_publish(*p)
+        return None
+    finally:
+        c.disconnect()
+
+
+def test_emulate_app_runs_the_example_beside_the_broker(tmp_path):
+    """--app examples/app.py under MicroPython with a board heap: the app is
+    copied to the data directory as app.py and runs beside the asyncio
+    server; its retained reading reaches a real client, and a command a
+    real client publishes reaches it."""
+    emu = Emulator("rp2040_picow", "micropython", tmp_path,
+                   extra=["--no-monitor", "--app", str(REPO / "examples" / "app.py")])
+    output = Output(emu)
+    try:
+        assert "(micropython, async server, with app.py)" in emu.lines[-1], emu.lines
+        m = wait_retained(emu.port, "sensors/gw1/temperature", "emu-sub")
+        assert m is not None and m.retain, emu.log_text()
+        assert 15.0 <= float(m.payload) <= 30.0
+        c = connect(emu.port, "emu-cmd")
+        c.publish_many([("cmd/gw1/led", b"on")])
+        c.disconnect()
+        m = wait_retained(emu.port, "state/gw1/led", "emu-sub2")
+        assert m is not None and m.payload == b"on", emu.log_text()
+        assert output.wait("app: led on")
+        assert emu.alive()
+    finally:
+        code, out = output.stop()
+    assert code == 0, out + emu.log_text()
+    assert "edgebroker: app: starting app.py main()" in out
+    assert "app: led on" in out
+    assert (tmp_path / "flash" / "app.py").read_bytes() == (REPO / "examples" / "app.py").read_bytes()
+
+
+def test_emulate_app_crash_leaves_the_broker_serving(tmp_path):
+    """An app whose main() raises: printed and counted, the broker serves on."""
+    app = tmp_path / "crash.py"
+    app.write_text("async def main(broker):\n    raise RuntimeError('boom')\n")
+    emu = Emulator("host", "cpython", tmp_path, extra=["--no-monitor", "--app", str(app)])
+    output = Output(emu)
+    try:
+        c = connect(emu.port, "emu-pub")
+        c.publish_many([("after/crash", b"1")], retain=True)
+        c.disconnect()
+        m = wait_retained(emu.port, "after/crash", "emu-sub")
+        assert m is not None and m.payload == b"1"
+        assert output.wait("app errors 1")
+        assert emu.alive()
+    finally:
+        code, out = output.stop()
+    assert code == 0, out + emu.log_text()
+    assert "app: app.py crashed (RuntimeError('boom')); the broker goes on, app errors 1" in out
+    assert "RuntimeError: boom" in emu.log_text()  # the traceback (stderr under CPython)

@@ -42,7 +42,8 @@ PORTS = ("esp32", "rp2")
 # ---------------------------------------------------------------- type checking
 @pytest.mark.parametrize("port", PORTS)
 def test_firmware_typechecks_against_port_stubs(port):
-    """mypy --strict over firmware/ with the port's MicroPython stubs as typeshed."""
+    """mypy --strict over firmware/ and the example app with the port's
+    MicroPython stubs as typeshed."""
     stubs = STUBS / port
     if not (stubs / "stdlib" / "VERSIONS").is_file() or not (stubs / "machine.pyi").is_file():
         pytest.fail("MicroPython %s stubs missing in %s: run `make venv` (tools/setup.sh installs "
@@ -51,7 +52,7 @@ def test_firmware_typechecks_against_port_stubs(port):
     env["MYPYPATH"] = os.pathsep.join([str(stubs), str(REPO / "lib"), str(REPO / "firmware")])
     res = subprocess.run(
         [str(VENV_BIN / "mypy"), "--config-file", str(MYPY_INI), "--custom-typeshed-dir",
-         str(stubs), "--no-incremental", "firmware/"],
+         str(stubs), "--no-incremental", "firmware/", "examples/app.py"],
         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=240,
     )
     assert res.returncode == 0, "mypy (%s stubs):\n%s%s" % (port, res.stdout, res.stderr)
@@ -139,7 +140,7 @@ def test_wifi_wrong_password_is_named():
 
 
 def test_background_reconnect_backs_off():
-    """Link lost: reconnects from on_tick, no more often than the backoff allows."""
+    """Link lost: reconnects from the housekeeping task, no more often than the backoff allows."""
     out = mpy_run(
         "import time\n"
         "w = fake_network.WLAN(fake_network.STA_IF)\n"
@@ -301,7 +302,7 @@ def test_crash_loop_ends_in_safe_mode_and_repairs(boards, dist, tmp_path):
         assert text.count("edgebroker: crashed (OSError(98") == 2, text
         assert [c for _m, c in b.boots] == ["power", "hard", "hard"]
         assert ("SAFE MODE: broker not started: 2 boots in a row ended before the broker had "
-                "served 30 s (safe_mode_crashes 2)") in text
+                "served 30 s, or their app.py crashed in that time (safe_mode_crashes 2)") in text
         assert "last crash (/last_crash.txt):" in text
         assert "EADDRINUSE" in (tmp_path / "board" / "last_crash.txt").read_text()
         assert len(b.boots) == 3  # safe mode broke the loop
@@ -317,14 +318,14 @@ def test_crash_loop_ends_in_safe_mode_and_repairs(boards, dist, tmp_path):
 
 
 def test_watchdog_survives_ctrl_c_and_fires_after_a_raw_soft_reset(boards, dist, tmp_path):
-    """watchdog_ms on: fed by on_tick while serving; after Ctrl-C a timer
+    """watchdog_ms on: fed by the housekeeping task while serving; after Ctrl-C a timer
     keeps feeding it (mpremote works); a soft reset from the raw REPL stops
     that timer, the watchdog fires, and the board boots the broker again."""
     place(tmp_path / "board", dist, {"watchdog_ms": 2500}, SECRETS)
     b = boards()
     assert b.wait_console("edgebroker listening on", timeout=15), b.console()
     assert "edgebroker: watchdog 2500 ms" in b.console()
-    time.sleep(3.5)  # longer than the timeout: on_tick feeds it
+    time.sleep(3.5)  # longer than the timeout: the housekeeping task feeds it
     assert len(b.boots) == 1
     out = mpremote(b, "exec", "import time; time.sleep(3.5); print('still here')")
     assert "still here" in out  # Ctrl-C stopped the broker; the timer fed the watchdog
@@ -341,3 +342,131 @@ def test_watchdog_survives_ctrl_c_and_fires_after_a_raw_soft_reset(boards, dist,
     assert b.wait_console("edgebroker listening on", timeout=15, start=n), b.console(n)
     assert "edgebroker: boot (watchdog reset)" in b.console(n)
     assert [c for _m, c in b.boots] == ["power", "soft", "wdt"]
+
+
+# ---------------------------------------------------------------- the user's app (/app.py)
+# main.py as flashed, but with a 2 s boot window (gateway.main's clear_after_s)
+# so that "at boot" and "later" both happen within a test.
+SHORT_BOOT_MAIN = "import gateway\ngateway.main(clear_after_s=2)\n"
+
+APP_RAISES_AT_START = """
+async def main(broker):
+    raise ValueError("boom at start")
+"""
+
+APP_RAISES_LATER = """
+import asyncio
+
+async def report(broker):
+    # beside the app: publishes the engine's app error count after the crash
+    while True:
+        broker.publish("test/app_errors", str(broker.engine.app_errors), retain=True)
+        await asyncio.sleep(0.2)
+
+async def main(broker):
+    broker.publish("sensors/gw1/temperature", "21.50", qos=1, retain=True)
+    asyncio.create_task(report(broker))
+    for _ in range(100):  # past the 2 s boot window: until the gateway cleared the counter
+        await asyncio.sleep(0.2)
+        with open("/crashes") as f:
+            if f.read() == "0":
+                break
+    raise RuntimeError("boom later")
+"""
+
+
+def reset_board(board):
+    """A hard reset from outside (reset button, power cut): no Ctrl-C first."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.sendto(b"reset", ("127.0.0.1", board.ctl_port))
+    finally:
+        s.close()
+
+
+def retained_payload(port, topic, client_id="fw-sub"):
+    c = paho_client(port, client_id=client_id)
+    try:
+        c.subscribe_wait(topic, qos=1)
+        msg = c.wait_messages(1, timeout=5)[0]
+        assert msg.retain, topic
+        return msg.payload
+    finally:
+        c.close()
+
+
+def test_app_crash_at_boot_keeps_the_broker_and_counts_toward_safe_mode(boards, dist, tmp_path):
+    """/app.py whose main() raises at once: traceback and message on the
+    console, the broker serves (a real client round-trips a retained
+    message), the crash counter is not cleared after the boot window, and
+    safe_mode_crashes such boots in a row (reset from outside) end in safe mode
+    with the app's traceback as the last crash."""
+    prof = place(tmp_path / "board", dist, {"safe_mode_crashes": 2}, SECRETS,
+                 extra={"main.py": SHORT_BOOT_MAIN, "app.py": APP_RAISES_AT_START})
+    b = boards()
+    assert b.wait_console("crash counter stays 1", timeout=20), b.console()
+    text = b.console()
+    assert "edgebroker: app: starting app.py main()" in text
+    assert "ValueError: boom at start" in text  # the traceback
+    assert ("edgebroker: app: app.py crashed (ValueError('boom at start',)); the broker goes on, "
+            "app errors 1") in text, text  # MicroPython's repr of an exception
+    assert ("edgebroker: app.py crashed at boot: this boot counts toward safe mode (crash "
+            "counter 1, safe mode at 2)") in text
+    assert "crash counter cleared" not in text
+    assert (tmp_path / "board" / "crashes").read_text() == "1"
+    assert "boom at start" in (tmp_path / "board" / "last_crash.txt").read_text()
+    pub = paho_client(prof["port"], client_id="fw-pub")
+    try:
+        pub.publish_wait("fw/state", b"up", qos=1, retain=True)
+    finally:
+        pub.close()
+    assert retained_payload(prof["port"], "fw/state") == b"up"
+
+    n = b.console_len()
+    reset_board(b)  # second boot: the app crashes at boot again
+    assert b.wait_console("crash counter stays 2", timeout=20, start=n), b.console(n)
+    n = b.console_len()
+    reset_board(b)  # third boot: safe mode
+    assert b.wait_console("SAFE MODE", timeout=20, start=n), b.console(n)
+    assert b.wait_console(lambda t: t.rstrip().endswith(">>>"), timeout=5, start=n)
+    text = b.console(n)
+    assert ("SAFE MODE: broker not started: 2 boots in a row ended before the broker had "
+            "served 2 s, or their app.py crashed in that time (safe_mode_crashes 2)") in text
+    assert "boom at start" in text  # the last crash shown
+    assert "app: starting" not in text and "listening" not in text
+    assert [c for _m, c in b.boots] == ["power", "hard", "hard"]
+
+
+def test_app_crash_later_is_counted_and_not_restarted(boards, dist, tmp_path):
+    """/app.py that publishes a retained reading, then raises after the boot
+    window: the crash is printed and counted in broker.engine.app_errors,
+    the crash counter is cleared as usual, the app is not restarted, and the
+    broker keeps serving: a new client gets the app's retained reading."""
+    prof = place(tmp_path / "board", dist, {}, SECRETS,
+                 extra={"main.py": SHORT_BOOT_MAIN, "app.py": APP_RAISES_LATER})
+    b = boards()
+    assert b.wait_console("app.py is not restarted until the next reset", timeout=20), b.console()
+    text = b.console()
+    assert "up 2 s: crash counter cleared" in text
+    assert "RuntimeError: boom later" in text
+    assert "the broker goes on, app errors 1" in text
+    assert "crashed at boot" not in text
+    assert text.count("app: starting app.py main()") == 1
+    assert (tmp_path / "board" / "crashes").read_text() == "0"
+    assert not (tmp_path / "board" / "last_crash.txt").exists()
+    assert retained_payload(prof["port"], "sensors/gw1/temperature") == b"21.50"
+    assert retained_payload(prof["port"], "test/app_errors", "fw-sub2") == b"1"
+    assert len(b.boots) == 1
+
+
+def test_no_app_file_runs_the_broker_alone(boards, dist, tmp_path):
+    """Without /app.py nothing about an app is printed and nothing is counted."""
+    prof = place(tmp_path / "board", dist, {}, SECRETS)
+    b = boards()
+    assert b.wait_console("edgebroker listening on", timeout=15), b.console()
+    pub = paho_client(prof["port"], client_id="fw-pub")
+    try:
+        pub.publish_wait("fw/x", b"1", qos=1)
+    finally:
+        pub.close()
+    assert "app:" not in b.console()

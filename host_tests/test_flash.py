@@ -24,7 +24,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tools"))
 
-from mqtt_helpers import free_port, paho_client  # noqa: E402
+from mqtt_helpers import free_port, mosquitto_sub, paho_client, wait_for  # noqa: E402
 from standin_board import STANDIN_DIR, StandinBoard, micropython_exe  # noqa: E402
 
 from edgebroker_tools.commands import build as build_cmd  # noqa: E402
@@ -32,6 +32,7 @@ from edgebroker_tools.commands import flash as flash_cmd  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 EDGEBROKER = str(VENV_BIN / "edgebroker")
+EXAMPLE_APP = REPO / "examples" / "app.py"
 SECRETS = {"wifi_ssid": "lab", "wifi_password": "pw-12345678", "users": {}}
 
 
@@ -95,17 +96,18 @@ def test_flash_host_profile_end_to_end(board, secrets, tmp_path):
     dist = tmp_path / "dist"
     out = flash(board, "host", port, secrets, dist)
     assert "edgebroker build: host ->" in out  # nothing built yet: built first
-    for f in ("lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy", "boot.py",
-              "main.py", "board.json", "secrets.json"):
+    for f in ("lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy", "lib/userapp.mpy",
+              "boot.py", "main.py", "board.json", "secrets.json"):
         assert "copy %s" % f in out, out
-    assert "verified 7 files by sha256" in out
+    assert "verified 8 files by sha256" in out
     assert "board | edgebroker: wifi connected 127.0.0.1" in out
     assert "board | edgebroker listening on 127.0.0.1:%d (micropython)" % port in out
     assert "host flashed, verified, broker running" in out
     assert "[########################] 100%" in out
     assert set(board.files()) >= {"boot.py", "main.py", "board.json", "secrets.json", "crashes",
-                                  "lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy"}
-    assert "safe_mode" not in board.files()
+                                  "lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy",
+                                  "lib/userapp.mpy"}
+    assert "safe_mode" not in board.files() and "app.py" not in board.files()
     on_board = json.loads((board.root / "board.json").read_text())
     assert on_board["port"] == port and on_board["bind"] == "127.0.0.1"
     assert (board.root / "lib" / "gateway.mpy").read_bytes() == (
@@ -190,6 +192,82 @@ def test_copy_progress_counts_each_file_once(tmp_path):
         "prepare", "same lib/a.mpy (100 bytes)", "copy main.py (20 bytes)",
         "copy board.json (5 bytes)"]
     assert [pct for pct, _label in bar_lines(out.getvalue())] == [20, 40, 60, 80]
+
+
+def test_flash_app_runs_the_example_and_is_kept_by_a_flash_without_app(secrets, tmp_path):
+    """`flash esp32 --app examples/app.py` on a board-sized heap: the app is
+    copied to /app.py and verified; its retained reading reaches a real
+    subscriber (paho) and mosquitto_sub, and a command a real client
+    publishes reaches it. Flashing again without --app keeps /app.py as it
+    was, and the app runs again after the reset."""
+    prof = json.loads((REPO / "boards" / "esp32.json").read_text())
+    b = StandinBoard(tmp_path / "board", heap="%dw" % prof["heap_bytes"],  # in 32-bit words
+                     log_path=tmp_path / "board.log").start()
+    try:
+        port = free_port()
+        dist = tmp_path / "dist"
+        out = flash(b, "esp32", port, secrets, dist, "--app", str(EXAMPLE_APP))
+        assert "copy app.py" in out, out
+        assert (b.root / "app.py").read_bytes() == EXAMPLE_APP.read_bytes()
+        assert b.wait_console("edgebroker: app: starting app.py main()", timeout=10), b.console()
+
+        sub = paho_client(port, client_id="app-sub")
+        try:
+            sub.subscribe_wait("sensors/gw1/temperature", qos=1)
+            first = sub.wait_messages(1, timeout=5)[0]
+            assert first.retain and 15.0 <= float(first.payload) <= 30.0
+            sub.wait_messages(3, timeout=10)  # live readings follow, one a second
+            sub.subscribe_wait("state/gw1/led", qos=1)
+            sub.clear_messages()
+            pub = paho_client(port, client_id="app-cmd")
+            try:
+                pub.publish_wait("cmd/gw1/led", b"on", qos=1)
+            finally:
+                pub.close()
+            assert wait_for(lambda: any(m.topic == "state/gw1/led" for m in sub.get_messages()),
+                            timeout=5), sub.get_messages()
+            led = [m for m in sub.get_messages() if m.topic == "state/gw1/led"]
+            assert led[0].payload == b"on"
+        finally:
+            sub.close()
+        assert b.wait_console("app: led on", timeout=5), b.console()
+        got = mosquitto_sub(port, ["-t", "sensors/gw1/temperature"], count=1)
+        assert 15.0 <= float(got[0]) <= 30.0, got
+
+        n = b.console_len()
+        out = flash(b, "esp32", port, secrets, dist)  # no --app: /app.py stays
+        assert "app.py" not in out.replace("board | ", ""), out
+        assert (b.root / "app.py").read_bytes() == EXAMPLE_APP.read_bytes()
+        assert b.wait_console("edgebroker: app: starting app.py main()", timeout=10, start=n)
+        assert retained_of(port, "state/gw1/led") == b"on"
+        assert "crashed" not in b.console()
+    finally:
+        b.stop()
+
+
+def test_flash_app_is_checked_before_the_board_is_touched(tmp_path):
+    """--app with a syntax error, an empty file or a missing file: exit 2,
+    one line, nothing run; the dry run copies a good one to /app.py."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("async def main(broker)\n    pass\n")
+    res = edgebroker("flash", "host", "--port", "/dev/ttyUSB9", "--app", str(bad), "--dry-run")
+    assert res.returncode == 2 and "mpy-cross failed on" in res.stderr, res.stderr
+    empty = tmp_path / "empty.py"
+    empty.write_text("\n")
+    res = edgebroker("flash", "host", "--port", "/dev/ttyUSB9", "--app", str(empty), "--dry-run")
+    assert res.returncode == 2 and "is empty" in res.stderr, res.stderr
+    res = edgebroker("flash", "host", "--port", "/dev/ttyUSB9", "--app",
+                     str(tmp_path / "nope.py"), "--dry-run")
+    assert res.returncode == 2 and "app file not found" in res.stderr, res.stderr
+    nomain = tmp_path / "nomain.py"
+    nomain.write_text("x = 1\n")
+    lines, err = dry_run_lines("host", "--port", "/dev/ttyUSB9", "--app", str(nomain),
+                               "--dist", str(tmp_path / "dist"))
+    assert "has no `async def main(broker)`" in err
+    copy = shlex.split(next(x for x in lines if " fs cp " in x))
+    assert copy[copy.index(":/app.py") - 1] == str(nomain)
+    lines, _err = dry_run_lines("host", "--port", "/dev/ttyUSB9", "--dist", str(tmp_path / "d2"))
+    assert not any(":/app.py" in x for x in lines)  # without --app nothing touches /app.py
 
 
 # ---------------------------------------------------------------- dry run, esptool
@@ -345,7 +423,7 @@ def test_romfs_image_mounts_and_imports(tmp_path):
     out = subprocess.run([micropython_exe(), "-c", code], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "ROM ['edgebroker.mpy', 'edgestore.mpy', 'gateway.mpy']" in out.stdout
+    assert "ROM ['edgebroker.mpy', 'edgestore.mpy', 'gateway.mpy', 'userapp.mpy']" in out.stdout
     assert "/rom/lib/edgebroker.mpy" in out.stdout
     # flash deploys the image instead of copying lib/*.mpy, and verifies it under /rom
     target = build_cmd.load_target("host", ["romfs=true"])

@@ -2,7 +2,7 @@
 
     edgebroker emulate esp32 [--port 1883] [--interpreter micropython|cpython]
                        [--heap SIZE] [--data-dir DIR] [--fresh] [--sys-interval S]
-                       [--status-every N] [--no-monitor] [--set key=value ...]
+                       [--status-every N] [--no-monitor] [--app FILE] [--set key=value ...]
 
 What it runs:
   - the MicroPython unix port with exactly the board's heap
@@ -16,9 +16,13 @@ What it runs:
     handed to the broker, as the board receives its validated profile;
   - a store directory standing in for flash (default data/emulate/<board>):
     for storage_type disc/disc_only the broker opens lib/edgestore.py's
-    FlashStore at <data-dir>/retained.ebrs (edgebroker.open_store; for a
-    broker without it the launcher does the same); without lib/edgestore.py
-    the RAM store is used and a note says so;
+    FlashStore at <data-dir>/retained.ebrs (edgebroker.open_store); without
+    lib/edgestore.py the RAM store is used and a note says so;
+  - the asyncio server (`await broker.serve_async()`), as on a board;
+  - with --app FILE, your app beside it: FILE is copied to <data-dir>/app.py
+    and its `async def main(broker)` runs as a task next to the broker
+    through firmware/userapp.py, as firmware/gateway.py runs /app.py on a
+    board (a crash is printed and counted, the broker goes on);
   - a monitor: an MQTT client subscribed to $SYS/broker/# that prints one
     status line every --status-every seconds (heap free/alloc, which the
     broker publishes retained every sys_interval seconds after gc.collect(),
@@ -58,8 +62,12 @@ ROMFS_FILE: Final = "romfs.img"
 MONITOR_ID: Final = "edgebroker-emulate-monitor"
 
 #: Runs under MicroPython and CPython alike. Placeholders: ROMFS (path of an
-#: image or None), PATHS (module directories), FLASH (a flash store is
-#: wanted and lib/edgestore.py exists), STORE (store file path), ARGV.
+#: image or None), PATHS (module directories), ARGV (edgebroker.main's), APP
+#: (the directory holding app.py, or None), PROFILE, BIND, PORT, DATA.
+#: Without an app: edgebroker.main with the asyncio server, as on a board.
+#: With one: the same through the public API (edgebroker.start), and
+#: firmware/userapp.py runs app.py's main(broker) beside the broker, as
+#: firmware/gateway.py does on a board.
 LAUNCHER: Final = r"""
 import sys
 ROMFS = @ROMFS@
@@ -74,25 +82,44 @@ if ROMFS:
 for _p in @PATHS@:
     sys.path.insert(0, _p)
 import edgebroker
-if @FLASH@ and not hasattr(edgebroker, "open_store"):
-    # A broker whose main() predates open_store(): do what firmware/main.py
-    # does for disc/disc_only, a FlashStore on the board's filesystem (here a
-    # directory standing in for it).
-    import edgestore
+APP = @APP@
+if APP is None:
+    edgebroker.main(@ARGV@)
+else:
+    import asyncio
+    import json
+    import userapp
+    sys.path.append(APP)  # app.py is imported as `app`, as from a board's /
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # CPython: the app's prints at once
 
-    _Base = edgebroker.Broker
+    def _say(text):
+        print("edgebroker: " + text)
 
-    class _Broker(_Base):
-        def __init__(self, cfg, store=None, clock=None, log=None):
-            _Base.__init__(self, cfg, store, clock, log)
-            if store is None:
-                self.store = edgestore.FlashStore(
-                    @STORE@, cfg["storage_type"], cfg["max_retained_messages"],
-                    clock=self.now, compact_ratio=cfg.get("compact_ratio", 0.5),
-                    compact_min_bytes=cfg.get("compact_min_bytes", 4096), log=self.log)
+    with open(@PROFILE@) as _f:
+        _profile = json.load(_f)
+    try:
+        _b = edgebroker.start(_profile, @BIND@, @PORT@, @DATA@)
+    except (ValueError, OSError) as _e:
+        print("edgebroker: error: cannot start the broker: %r" % (_e,), file=sys.stderr)
+        sys.exit(2)
+    print("edgebroker listening on %s:%d (%s, async server, with app.py)"
+          % (@BIND@, @PORT@, sys.implementation.name))
 
-    edgebroker.Broker = _Broker
-edgebroker.main(@ARGV@)
+    async def _serve():
+        _t = asyncio.create_task(userapp.run(_b, _say))
+        try:
+            await _b.serve_async()
+        finally:
+            _t.cancel()
+
+    try:
+        asyncio.run(_serve())
+        _b.shutdown()
+    except KeyboardInterrupt:
+        _b.shutdown()
+    except MemoryError:
+        pass  # as edgebroker.main: a Ctrl-C inside a collection locked the heap
 """
 
 
@@ -172,6 +199,14 @@ def register(subparsers: Subparsers) -> None:
         action="store_true",
         help="no status lines (the monitor is an MQTT client: it takes one of max_clients)",
     )
+    parser.add_argument(
+        "--app",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="your app.py: its `async def main(broker)` runs beside the broker, as on a "
+        "board (copied to the data dir as app.py)",
+    )
     add_set_option(parser)
     parser.set_defaults(handler=handle)
 
@@ -196,8 +231,10 @@ def launcher_argv(
     data_dir: Path,
     port: int,
     bind: str,
+    app: Path | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(argv, notes) of the broker process."""
+    """(argv, notes) of the broker process. app: the app.py to run beside
+    the broker (a copy in data_dir, see install_app)."""
     notes: list[str] = []
     lib = runner.repo_root() / "lib"
     sources = [lib / "edgebroker.py"]
@@ -223,11 +260,14 @@ def launcher_argv(
         bind,
         "--data-dir",
         str(data_dir),
+        "--server",
+        "async",  # as on a board: one asyncio task beside the app's
     ]
-    store = str(data_dir / STORE_FILE)
+    if app is not None:
+        sources.append(runner.repo_root() / "firmware" / "userapp.py")
     romfs: str | None = None
     if interpreter == "cpython":
-        paths = [str(lib)]
+        paths = [str(lib), str(runner.repo_root() / "firmware")]
         argv = [sys.executable, "-c"]
     else:
         mpys = [runner.compile_mpy(s) for s in sources]
@@ -254,11 +294,32 @@ def launcher_argv(
     code = (
         LAUNCHER.replace("@ROMFS@", repr(romfs))
         .replace("@PATHS@", repr(paths))
-        .replace("@STORE@", repr(store))
-        .replace("@FLASH@", repr(len(sources) > 1))
         .replace("@ARGV@", repr(main_argv))
+        .replace("@APP@", repr(str(app.parent) if app is not None else None))
+        .replace("@PROFILE@", repr(str(profile_path)))
+        .replace("@BIND@", repr(bind))
+        .replace("@PORT@", repr(port))
+        .replace("@DATA@", repr(str(data_dir)))
     )
     return [*argv, code], notes
+
+
+def install_app(app: Path | None, data_dir: Path) -> Path | None:
+    """--app FILE, checked as `edgebroker flash --app` checks it, copied to
+    <data_dir>/app.py: the data directory stands in for the board's
+    filesystem, where the app is /app.py. None without --app."""
+    if app is None:
+        return None
+    from edgebroker_tools.commands import flash
+
+    for warning in flash.check_app(app):
+        print(f"emulate: warning: {warning}", file=sys.stderr, flush=True)
+    target = data_dir / "app.py"
+    try:
+        shutil.copyfile(app, target)
+    except OSError as exc:
+        raise CommandError(f"cannot copy {app} to {target}: {exc.strerror or exc}") from None
+    return target
 
 
 def build_romfs(mpys: list[Path], data_dir: Path) -> Path:
@@ -378,6 +439,7 @@ def handle(args: argparse.Namespace) -> int:
                 (data_dir / f).unlink(missing_ok=True)
     except OSError as exc:
         raise CommandError(f"cannot prepare data dir {data_dir}: {exc.strerror or exc}") from None
+    app = install_app(cast("Path | None", args.app), data_dir)
     heap = cast("str | None", args.heap)
     if heap is not None and interpreter == "cpython":
         notes.append("--heap is ignored with --interpreter cpython")
@@ -386,7 +448,7 @@ def handle(args: argparse.Namespace) -> int:
         check_heap(name, cfg, heap)
     runner.check_listen(cast(str, args.bind), cast(int, args.port))
     argv, more = launcher_argv(
-        cfg, interpreter, heap, data_dir, cast(int, args.port), cast(str, args.bind)
+        cfg, interpreter, heap, data_dir, cast(int, args.port), cast(str, args.bind), app
     )
     notes += more
     size = heap or str(cfg["heap_bytes"])

@@ -10,7 +10,9 @@ Steps (each an esptool or mpremote command; --dry-run prints them instead):
   3. prepare: write /safe_mode (a reset half-way boots into safe mode, not
      into a half-copied gateway), make /lib, read the board's .mpy version.
   4. copy: `mpremote fs cp` of dist/<board>/ (lib/*.mpy, boot.py, main.py,
-     board.json) and the secrets file to /secrets.json; mpremote skips
+     board.json), the secrets file to /secrets.json and --app FILE to
+     /app.py (without --app the board's /app.py, if any, is left alone: it
+     is never removed or emptied); mpremote skips
      files whose hash already matches. ROMFS boards get lib/ as an image
      (`mpremote romfs deploy`) instead of lib/*.mpy files.
   5. verify: sha256 of every file computed on the board (`mpremote exec`)
@@ -38,6 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +66,7 @@ ESP32_OFFSETS: Final[dict[str, int]] = {
 DEFAULT_BAUD: Final = 460800
 DEFAULT_WATCH_S: Final = 20.0
 SAFE_FLAG: Final = "/safe_mode"
+APP_REMOTE: Final = "/app.py"  # the user's code: firmware/userapp.py runs its main(broker)
 EXIT_VERIFY: Final = 1
 EXIT_BOARD_FAILED: Final = 3
 STEP_TIMEOUT_S: Final = 120.0
@@ -220,6 +224,7 @@ class Plan:
     mpy_version: int
     esptool: list[list[str]]
     secrets: Path | None
+    app: Path | None = None
 
 
 def mpremote(port: str, *args: str) -> list[str]:
@@ -254,6 +259,7 @@ def make_plan(
     chip: str | None,
     erase: bool,
     baud: int,
+    app: Path | None = None,
 ) -> Plan:
     dist_dir = dist_root / target.name
     romfs = build.uses_romfs(target)
@@ -270,6 +276,9 @@ def make_plan(
     if secrets is not None:
         copies.append(CopyItem(secrets, "/secrets.json", secrets.stat().st_size))
         verify["/secrets.json"] = build.sha256_file(secrets)
+    if app is not None:
+        copies.append(CopyItem(app, APP_REMOTE, app.stat().st_size))
+        verify[APP_REMOTE] = build.sha256_file(app)
     man = build.read_manifest(dist_dir) or {}
     esptool: list[list[str]] = []
     if firmware is not None:
@@ -291,6 +300,7 @@ def make_plan(
         mpy_version=int(man.get("mpy_version") or 0),
         esptool=esptool,
         secrets=secrets,
+        app=app,
     )
 
 
@@ -487,6 +497,24 @@ def check_port(port: str) -> None:
         )
 
 
+def check_app(path: Path) -> list[str]:
+    """The --app file: readable, compiles with mpy-cross (a syntax error is
+    found here, not on the board); warnings when it has no `async def main`."""
+    if not path.is_file():
+        raise CommandError(f"app file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as exc:
+        raise CommandError(f"cannot read app file {path}: {exc}") from None
+    if not text.strip():
+        raise CommandError(f"app file {path} is empty: the board's /app.py is not replaced by it")
+    with tempfile.TemporaryDirectory() as tmp:
+        build.compile_mpy(path, Path(tmp) / "app.mpy")
+    if not re.search(r"^async def main\(", text, re.MULTILINE):
+        return [f"{path} has no `async def main(broker)`: the gateway will log it as a crash"]
+    return []
+
+
 def validate_port(text: str) -> str:
     if re.fullmatch(r"[0-9]+", text.strip()):
         raise argparse.ArgumentTypeError(
@@ -544,6 +572,14 @@ def register(subparsers: Subparsers) -> None:
         help="secrets file copied to /secrets.json (default: firmware/secrets.json)",
     )
     parser.add_argument(
+        "--app",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="your code, copied to /app.py: its `async def main(broker)` runs beside the "
+        "broker (examples/app.py). Without --app the board's /app.py is kept",
+    )
+    parser.add_argument(
         "--watch",
         type=float,
         default=DEFAULT_WATCH_S,
@@ -589,6 +625,11 @@ def handle(args: argparse.Namespace) -> int:
         for w in check_secrets(secrets, target):
             print(f"edgebroker flash: warning: {w}", file=sys.stderr)
 
+    app = cast("Path | None", args.app)
+    if app is not None:
+        for w in check_app(app):
+            print(f"edgebroker flash: warning: {w}", file=sys.stderr)
+
     dist_dir = dist_root / target.name
     stale = not build.is_current(target, dist_dir)
     if dry:
@@ -601,6 +642,7 @@ def handle(args: argparse.Namespace) -> int:
             cast("str | None", args.chip),
             erase,
             cast(int, args.baud),
+            app,
         )
         return print_dry_run(plan, args, stale)
 
@@ -618,7 +660,9 @@ def handle(args: argparse.Namespace) -> int:
             f"dist/{target.name} is over code_budget_bytes ({man.get('bytecode_bytes'):,} > "
             f"{man.get('code_budget_bytes'):,}): not flashing it"
         )
-    plan = make_plan(target, port, dist_root, secrets, firmware, chip, erase, cast(int, args.baud))
+    plan = make_plan(
+        target, port, dist_root, secrets, firmware, chip, erase, cast(int, args.baud), app
+    )
     watch = cast(float, args.watch)
     return execute(plan, watch, out)
 
