@@ -155,10 +155,11 @@ def _peer(a):
 _aio = None
 _io_wait = None
 _io_forget = None
+_io_stop = None
 
 
 def _asyncio():
-    global _aio, _io_wait, _io_forget
+    global _aio, _io_wait, _io_forget, _io_stop
     if _aio is not None:
         return _aio
     import asyncio
@@ -182,7 +183,32 @@ def _asyncio():
             yield
 
         def _forget(sock):
-            pass
+            # A socket about to be closed must not stay in the scheduler's
+            # poller: its number is soon another socket's, and a stale entry
+            # would wake (and re-run) a task that has ended.
+            q = core._io_queue
+            e = q.map.get(id(sock))
+            if e is not None and e[-1] is sock:
+                del q.map[id(sock)]
+                try:
+                    q.poller.unregister(sock)
+                except (OSError, ValueError, KeyError):
+                    pass
+
+        def _stop(tasks, sock):
+            # Cancel only a task that waits in the poller for this socket.
+            # One the poller already woke is on the run queue with its
+            # `data` still naming the poller, and cancel() would push it a
+            # second time: it then runs after it finished and corrupts the
+            # scheduler (seen as "Task exception wasn't retrieved" and
+            # methods resolving to the wrong function). Such a task sees
+            # its connection closed when it runs and ends by itself. The
+            # entry is read before any cancel: the first one removes it.
+            e = core._io_queue.map.get(id(sock))
+            if e is not None:
+                for t in tasks:
+                    if t is not None and (e[0] is t or e[1] is t):
+                        t.cancel()
     else:  # CPython
         def _done(fut):
             if not fut.done():
@@ -213,8 +239,14 @@ def _asyncio():
                 loop.remove_writer(sock)
             except (RuntimeError, ValueError, KeyError, OSError):
                 pass
+
+        def _stop(tasks, sock):
+            for t in tasks:
+                if t is not None and not t.done():
+                    t.cancel()
     _io_wait = _wait
     _io_forget = _forget
+    _io_stop = _stop
     _aio = asyncio
     return asyncio
 
@@ -2859,9 +2891,8 @@ class Broker:
         if s is None:
             return
         if self._async:
-            for t in (conn.wait, conn.task):
-                if t is not None and t is not _current():
-                    t.cancel()
+            cur = _current()
+            _io_stop([t for t in (conn.wait, conn.task) if t is not cur], s)
             conn.wait = None
             _io_forget(s)
         elif self.socks.pop(_key(s), None) is not None:
@@ -2939,7 +2970,7 @@ class Broker:
                     await aio.sleep(0)
                     self._turn()
         finally:
-            acc.cancel()
+            _io_stop((acc,), self.lsock)
             tick.cancel()
             for t in extra:
                 t.cancel()
@@ -2954,6 +2985,8 @@ class Broker:
                     await aio.sleep(0.5)
                     self._pause = 0
                 await _io_wait(s, False)
+                if not self.running:
+                    break
                 self._accept()
             except MemoryError:
                 gc.collect()
@@ -2984,7 +3017,7 @@ class Broker:
                 self.engine.lost(conn, self.clock())
             if conn.io is not None:
                 if conn.wait is not None:
-                    conn.wait.cancel()
+                    _io_stop((conn.wait,), s)
                     conn.wait = None
                 _io_forget(s)
                 self._close_io(conn)
