@@ -127,7 +127,8 @@ def test_paho_publisher_reaches_local_callback_qos_0_1_2_with_properties(broker_
                 "PayloadFormatIndicator": 0})
         seen = sorted(app.seen("net", 3), key=lambda d: d["topic"])
         assert [(d["topic"], binascii.unhexlify(d["payload"]), d["retained"]) for d in seen] == [
-            ("net/q0", b"\x00n0", False), ("net/q1", b"\x00n1", False), ("net/q2", b"\x00n2", False)]
+            ("net/q0", b"\x00n0", False), ("net/q1", b"\x00n1", False),
+            ("net/q2", b"\x00n2", False)]
         for d in seen:
             p = d["properties"]
             assert p["content_type"] == "text/x" and p["response_topic"] == "net/re"

@@ -16,14 +16,19 @@
 #       (topic, payload hex, retained, properties); "raise" makes it raise
 #     {"id": n, "op": "stats"}
 #   and answers on app/result/<id>: {"ok": ...} or {"error": class, "text"}.
-# --app timer: a user task wakes every 10 ms and records how late it is;
-#   the engine's loop turns are counted by wrapping Broker._turn in this
-#   script (lib is not patched). Results on app/timer when app/ctl gets
+# --app timer|idle: with a user task that wakes every 10 ms (timer) or
+#   none (idle); the engine's loop turns and the event loop's wakeups are
+#   counted (class Timer). Results on app/timer when app/ctl gets
 #   {"op": "timer"} (reset by {"op": "timer_reset"}).
+# As a board runs it (a small heap): compile this file, edgebroker and
+# edgestore with mpy-cross into one directory, then
+#   micropython -X heapsize=H -c "import sys; sys.path.insert(0, DIR);
+#   import local_app; local_app.main(['local_app.py', '--port', ...])"
 import sys
 
-here = sys.argv[0].rsplit("/", 1)[0] if "/" in sys.argv[0] else "."
-sys.path.insert(0, here + "/../../lib")
+if __name__ == "__main__":
+    here = sys.argv[0].rsplit("/", 1)[0] if "/" in sys.argv[0] else "."
+    sys.path.insert(0, here + "/../../lib")
 import binascii  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
@@ -104,8 +109,9 @@ class Api:
             p = dict(props)
             if "correlation_data" in p:
                 p["correlation_data_hex"] = hexs(p.pop("correlation_data"))
-            b.publish("app/seen/" + tag, json.dumps(
-                {"topic": topic, "payload": hexs(payload), "retained": retained, "properties": p}), 1)
+            b.publish("app/seen/" + tag, json.dumps({
+                "topic": topic, "payload": hexs(payload), "retained": retained,
+                "properties": p}), 1)
         return cb
 
     def on_disk(self, topic):
@@ -122,19 +128,26 @@ class Api:
 
 
 class Timer:
-    """The user's own work: a task that sleeps 10 ms at a time and records
-    how late each wake is; the broker's loop turns are counted."""
+    """The user's own work (--app timer): a task that sleeps 10 ms at a
+    time and records how late each wake is. Both --app timer and --app
+    idle count the broker's loop turns (Broker._turn, wrapped on this
+    script's broker object) and the event loop's waits for I/O that may
+    sleep (the scheduler's poller on MicroPython, the selector on CPython,
+    wrapped here; a zero-timeout look between ready tasks is not counted):
+    each such wait ends in one wakeup of the process. lib is not patched."""
 
-    def __init__(self, broker):
+    def __init__(self, broker, task):
         self.b = broker
-        self.reset()
+        self.task = task
         self.turns = 0
+        self.polls = 0
+        self.reset()
         turn = broker._turn
 
         def counted():
             self.turns += 1
             turn()
-        broker._turn = counted  # the script wraps its broker object; lib is not patched
+        broker._turn = counted
         broker.subscribe("app/ctl", self.ctl, 0)
 
     def reset(self):
@@ -142,17 +155,43 @@ class Timer:
         self.worst = 0
         self.late = 0      # wakes more than 100 ms after they were due
         self.t0 = ticks_ms()
+        self.turns0 = self.turns
+        self.polls0 = self.polls
 
     def ctl(self, topic, payload, retained, props):
         c = json.loads(payload)
         if c.get("op") == "timer_reset":
             self.reset()
-            self.turns0 = self.turns
+        elif c.get("op") == "block":
+            # the application's own mistake: a callback that blocks the
+            # loop (shows the timer catches what a blocking broker would do)
+            time.sleep(c["ms"] / 1000)
         elif c.get("op") == "timer":
             self.b.publish("app/timer", json.dumps({
                 "wakes": self.wakes, "worst_ms": self.worst, "late": self.late,
-                "ms": ticks_diff(ticks_ms(), self.t0),
-                "turns": self.turns - getattr(self, "turns0", 0)}), 0)
+                "ms": ticks_diff(ticks_ms(), self.t0), "turns": self.turns - self.turns0,
+                "polls": self.polls - self.polls0, "dropped": self.b.engine.n_dropped}), 0)
+
+    def count_polls(self, aio):
+        t = self
+        try:  # MicroPython: the scheduler's poller, one wait per loop wakeup
+            q = aio.core._io_queue
+            f = q.wait_io_event
+
+            def wait(dt):
+                if dt != 0:  # a wait that can sleep, not a look between tasks
+                    t.polls += 1
+                return f(dt)
+            q.wait_io_event = wait
+        except AttributeError:  # CPython: the loop's selector
+            sel = aio.get_running_loop()._selector
+            g = sel.select
+
+            def select(timeout=None):
+                if timeout != 0:
+                    t.polls += 1
+                return g(timeout)
+            sel.select = select
 
     async def run(self, aio):
         while True:
@@ -177,7 +216,10 @@ def main(argv):
             profile = json.load(f)
     port = int(o["--port"])
     broker = edgebroker.start(profile, o["--bind"], port, o["--data-dir"], log)
-    app = Api(broker, o["--data-dir"]) if o["--app"] == "api" else Timer(broker)
+    if o["--app"] == "api":
+        app = Api(broker, o["--data-dir"])
+    else:
+        app = Timer(broker, o["--app"] == "timer")
     print("edgebroker listening on %s:%d (%s, %s server)" % (
         o["--bind"], port, sys.implementation.name, o["--server"]))
     try:
@@ -190,7 +232,9 @@ def main(argv):
 
             async def board():
                 if isinstance(app, Timer):
-                    asyncio.create_task(app.run(asyncio))
+                    app.count_polls(asyncio)
+                    if app.task:
+                        asyncio.create_task(app.run(asyncio))
                 await broker.serve_async()
             asyncio.run(board())
         else:
@@ -200,4 +244,5 @@ def main(argv):
     broker.shutdown()
 
 
-main(sys.argv)
+if __name__ == "__main__":
+    main(sys.argv)
