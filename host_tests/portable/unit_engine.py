@@ -1,0 +1,1656 @@
+# Vector tests of the sans-IO Engine (lib/edgebroker.py section 8): bytes in,
+# bytes out, no sockets, the clock passed in. The same file runs under
+# CPython (pytest, via test_engine_units.py) and under the MicroPython unix
+# port (mp_runner.py): plain functions, plain asserts, no typing.
+#
+# Spec statements are MQTT 5.0 unless marked 3.1.1. Tests marked
+# test_ENGINE_BUG_<n> fail against the engine as it is; each says what is
+# wrong, with the statement it breaks (the lead's engine-bugs notes, n).
+import edgebroker as eb
+
+T0 = 1000.0
+LOG = []
+
+
+def _log(level, text):
+    if len(LOG) > 200:
+        del LOG[:100]
+    LOG.append((level, text))
+
+
+def h(text):
+    """A hex vector ("10 0e 0004 ...") -> bytes."""
+    return bytes.fromhex(text.replace(" ", ""))
+
+
+def mk(store=None, **profile):
+    eng = eb.Engine(eb.limits(profile), store, _log)
+    eng.start(T0)
+    return eng
+
+
+# ------------------------------------------------------ the test's own codec
+# Written here, not taken from edgebroker, so the engine is not checked
+# against itself.
+def vb(n):
+    out = bytearray()
+    while True:
+        d = n & 0x7F
+        n >>= 7
+        out.append(d | 0x80 if n else d)
+        if not n:
+            return bytes(out)
+
+
+def u16(n):
+    return bytes((n >> 8 & 255, n & 255))
+
+
+def u32(n):
+    return bytes((n >> 24 & 255, n >> 16 & 255, n >> 8 & 255, n & 255))
+
+
+def s(x):
+    if isinstance(x, str):
+        x = x.encode()
+    return u16(len(x)) + x
+
+
+def pk(first, body):
+    return bytes((first,)) + vb(len(body)) + body
+
+
+def pr(p):
+    return vb(len(p)) + p
+
+
+def connect(cid, v=5, clean=True, ka=60, props=b"", will=None, user=None, pw=None, flags=0):
+    """will: (topic, payload, qos, retain, will properties)."""
+    f = (2 if clean else 0) | flags
+    tail = b""
+    if will is not None:
+        wt, wp, wq, wr, wprops = will
+        f |= 4 | wq << 3 | (0x20 if wr else 0)
+        tail += (pr(wprops) if v == 5 else b"") + s(wt) + s(wp)
+    if user is not None:
+        f |= 0x80
+        tail += s(user)
+    if pw is not None:
+        f |= 0x40
+        tail += s(pw)
+    body = s("MQTT") + bytes((v, f)) + u16(ka) + (pr(props) if v == 5 else b"") + s(cid) + tail
+    return pk(0x10, body)
+
+
+def publish(topic, payload=b"", qos=0, pid=1, retain=False, dup=False, props=b"", v=5):
+    body = s(topic) + (u16(pid) if qos else b"") + (pr(props) if v == 5 else b"") + payload
+    return pk(0x30 | (8 if dup else 0) | qos << 1 | (1 if retain else 0), body)
+
+
+def subscribe(pid, filters, props=b"", v=5):
+    body = u16(pid) + (pr(props) if v == 5 else b"")
+    for f, o in filters:
+        body += s(f) + bytes((o,))
+    return pk(0x82, body)
+
+
+def unsubscribe(pid, filters, v=5):
+    body = u16(pid) + (b"\x00" if v == 5 else b"")
+    for f in filters:
+        body += s(f)
+    return pk(0xA2, body)
+
+
+def ack(ptype, pid, rc=None):
+    first = {4: 0x40, 5: 0x50, 6: 0x62, 7: 0x70}[ptype]
+    return pk(first, u16(pid) + (b"" if rc is None else bytes((rc,))))
+
+
+def p_u32(pid, v):
+    return bytes((pid,)) + u32(v)
+
+
+def p_u16(pid, v):
+    return bytes((pid,)) + u16(v)
+
+
+def p_str(pid, v):
+    return bytes((pid,)) + s(v)
+
+
+def p_user(k, v):
+    return b"\x26" + s(k) + s(v)
+
+
+def rvb(b, i):
+    v = 0
+    sh = 0
+    while True:
+        d = b[i]
+        i += 1
+        v |= (d & 0x7F) << sh
+        if not d & 0x80:
+            return v, i
+        sh += 7
+
+
+def split(b):
+    """Bytes the engine wrote -> [(first byte, body)]; every packet whole."""
+    out = []
+    i = 0
+    while i < len(b):
+        n, j = rvb(b, i + 1)
+        assert j + n <= len(b), "a packet cut short: %r" % (b[i:],)
+        out.append((b[i], bytes(b[j:j + n])))
+        i = j + n
+    return out
+
+
+_BYTE = (0x01, 0x17, 0x19, 0x24, 0x25, 0x28, 0x29, 0x2A)
+_U16 = (0x13, 0x21, 0x22, 0x23)
+_U32 = (0x02, 0x11, 0x18, 0x27)
+_STR = (0x03, 0x08, 0x12, 0x15, 0x1A, 0x1C, 0x1F)
+_BIN = (0x09, 0x16)
+
+
+def rprops(b, i):
+    """Properties at b[i:] -> (dict, next index). User Properties (0x26)
+    and Subscription Identifiers (0x0B) are lists."""
+    n, i = rvb(b, i)
+    stop = i + n
+    d = {}
+    while i < stop:
+        p = b[i]
+        i += 1
+        if p in _BYTE:
+            v = b[i]
+            i += 1
+        elif p in _U16:
+            v = b[i] << 8 | b[i + 1]
+            i += 2
+        elif p in _U32:
+            v = b[i] << 24 | b[i + 1] << 16 | b[i + 2] << 8 | b[i + 3]
+            i += 4
+        elif p == 0x0B:
+            v, i = rvb(b, i)
+        elif p in _STR or p in _BIN:
+            k = b[i] << 8 | b[i + 1]
+            v = bytes(b[i + 2:i + 2 + k])
+            if p in _STR:
+                v = v.decode()
+            i += 2 + k
+        elif p == 0x26:
+            k = b[i] << 8 | b[i + 1]
+            key = bytes(b[i + 2:i + 2 + k]).decode()
+            i += 2 + k
+            k = b[i] << 8 | b[i + 1]
+            v = (key, bytes(b[i + 2:i + 2 + k]).decode())
+            i += 2 + k
+        else:
+            raise AssertionError("unknown property 0x%02x from the engine" % p)
+        if p in (0x26, 0x0B):
+            d.setdefault(p, []).append(v)
+        else:
+            assert p not in d, "property 0x%02x twice" % p
+            d[p] = v
+    assert i == stop
+    return d, stop
+
+
+class Msg:
+    """A PUBLISH the engine sent."""
+
+    def __init__(self, first, body, v):
+        self.qos = first >> 1 & 3
+        self.dup = first >> 3 & 1
+        self.retain = first & 1
+        n = body[0] << 8 | body[1]
+        self.topic = body[2:2 + n].decode()
+        i = 2 + n
+        self.pid = 0
+        if self.qos:
+            self.pid = body[i] << 8 | body[i + 1]
+            i += 2
+        self.props = {}
+        if v == 5:
+            self.props, i = rprops(body, i)
+        self.payload = bytes(body[i:])
+
+    def __repr__(self):
+        return "Msg(%r, %r, qos=%d, retain=%d, dup=%d, pid=%d, props=%r)" % (
+            self.topic, self.payload, self.qos, self.retain, self.dup, self.pid, self.props)
+
+
+class Peer:
+    """One connection driven by the test: send() bytes in, out() bytes out.
+    With a client id it connects at once and checks the CONNACK."""
+
+    def __init__(self, eng, cid=None, v=5, now=None, peer="t:1", **kw):
+        self.eng = eng
+        self.v = v
+        self.c = eng.open(None, eng.now_s if now is None else now, peer)
+        self.connack = None
+        self.held = []        # what followed the CONNACK, for packets()
+        if cid is not None:
+            self.send(connect(cid, v, **kw))
+            p = self.packets()
+            assert p and p[0][0] == 0x20 and p[0][1][1] == 0, "CONNACK %r" % (p,)
+            self.connack = p[0][1]
+            self.held = p[1:]
+
+    def send(self, data, now=None):
+        now = self.eng.now_s if now is None else now
+        self.eng.receive(self.c, memoryview(data), len(data), now)
+
+    def out(self):
+        assert not self.held, "packets after CONNACK not looked at: %r" % (self.held,)
+        o = self.c.out
+        b = bytes(o) if o else b""
+        self.eng.sent(self.c, len(b))
+        return b
+
+    def packets(self):
+        held = self.held
+        self.held = []
+        return held + split(self.out())
+
+    def msgs(self):
+        """The PUBLISHes waiting (every other packet must not be there)."""
+        out = []
+        for f, b in self.packets():
+            assert f >> 4 == 3, "not a PUBLISH: %02x %r" % (f, b)
+            out.append(Msg(f, b, self.v))
+        return out
+
+    def sub(self, filt, opts=0, pid=1, props=b""):
+        self.send(subscribe(pid, [(filt, opts)], props, self.v))
+        p = self.packets()
+        assert p[0][0] == 0x90, p
+        codes = p[0][1][-1:]
+        assert codes[0] == opts & 3, "SUBACK %r" % (p[0],)
+        return [Msg(f, b, self.v) for f, b in p[1:]]
+
+
+def connack_of(packets):
+    """(flags, reason, props) of a CONNACK that is the only packet."""
+    assert len(packets) == 1 and packets[0][0] == 0x20, packets
+    b = packets[0][1]
+    props = {}
+    if len(b) > 2:
+        props, _ = rprops(b, 2)
+    return b[0], b[1], props
+
+
+def expect_disconnect(p, rc):
+    """5.0: a DISCONNECT with reason `rc` was the last thing sent, then the
+    connection ended (MQTT-4.13.1-1, 4.13.2)."""
+    pk_ = p.packets()
+    assert p.c.closed, "still open after %r" % (pk_,)
+    assert pk_ and pk_[-1][0] == 0xE0, "no DISCONNECT: %r" % (pk_,)
+    assert pk_[-1][1][0] == rc, "DISCONNECT 0x%02x, expected 0x%02x" % (pk_[-1][1][0], rc)
+    return pk_[-1]
+
+
+def expect_closed_silent(p):
+    """3.1.1: the connection is closed with nothing sent (no DISCONNECT
+    from a 3.1.1 server)."""
+    out = p.out()
+    assert p.c.closed, "still open"
+    assert out == b"", "sent %r" % (out,)
+
+
+# ------------------------------------------------------------------ CONNECT
+# CONNECT 3.1.1, Clean Session, Keep Alive 60, Client Identifier "c1"
+V311_CONNECT = "10 0e 0004 4d515454 04 02 003c 0002 6331"
+# CONNECT 5.0, Clean Start, Keep Alive 60, no properties, Client Identifier "c5"
+V5_CONNECT = "10 0f 0004 4d515454 05 02 003c 00 0002 6335"
+
+
+def test_connect_311_accepted_connack_00_00_MQTT_3_2_2_1():
+    # 3.1.1 MQTT-3.2.0-1: CONNACK first; MQTT-3.2.2-1: Clean Session 1 ->
+    # Session Present 0; return code 0 (3.2.2.3)
+    eng = mk()
+    p = Peer(eng)
+    p.send(h(V311_CONNECT))
+    assert p.out() == h("20 02 00 00")
+    assert not p.c.closed and eng.connected == 1 and eng.pre == 0
+
+
+def test_connect_5_accepted_connack_properties_3_2_2_3():
+    eng = mk(max_inflight=7, max_packet_size=2000, topic_alias_maximum=5)
+    p = Peer(eng)
+    p.send(h(V5_CONNECT))
+    flags, rc, props = connack_of(p.packets())
+    assert (flags, rc) == (0, 0)             # MQTT-3.2.2-2: Clean Start 1 -> Session Present 0
+    assert props[0x21] == 7                  # Receive Maximum = max_inflight (3.2.2.3.3)
+    assert props[0x27] == 2000               # Maximum Packet Size (3.2.2.3.6)
+    assert props[0x22] == 5                  # Topic Alias Maximum (3.2.2.3.8)
+    assert props[0x2A] == 0                  # Shared Subscription Available: no (3.2.2.3.13)
+    assert props.get(0x25, 1) == 1           # Retain Available
+    assert 0x24 not in props                 # Maximum QoS absent means 2 (3.2.2.3.4)
+    assert 0x12 not in props                 # the client gave its id
+
+
+def test_connect_5_maximum_qos_and_retain_unavailable_announced_3_2_2_3_4():
+    eng = mk(maximum_qos=1, retain_available=False)
+    p = Peer(eng)
+    p.send(h(V5_CONNECT))
+    _, rc, props = connack_of(p.packets())
+    assert rc == 0 and props[0x24] == 1 and props[0x25] == 0
+
+
+def test_connect_bad_protocol_level_connack_rc1_and_closed_MQTT_3_1_2_2():
+    # 3.1.1 MQTT-3.1.2-2: unsupported level -> CONNACK return code 0x01, close.
+    # 5.0 MQTT-3.1.2-2: MAY send CONNACK 0x84, MUST close.
+    for vec in ("10 10 0006 4d5149736470 03 02 003c 0002 6333",   # MQIsdp level 3 (MQTT 3.1)
+                "10 0e 0004 4d515454 06 02 003c 0002 6336"):      # MQTT level 6
+        eng = mk()
+        p = Peer(eng)
+        p.send(h(vec))
+        out = p.out()
+        assert out in (h("20 02 00 01"), h("20 03 00 84 00")), out
+        assert p.c.closed and eng.connected == 0 and eng.pre == 0
+        assert eng.refusals.get("protocol_version") == 1
+
+
+def test_connect_bad_protocol_name_closed_MQTT_3_1_2_1():
+    eng = mk()
+    p = Peer(eng)
+    p.send(h("10 0e 0004 4d515458 04 02 003c 0002 6331"))   # "MQTX"
+    assert p.c.closed and eng.connected == 0
+
+
+def test_connect_reserved_flag_malformed_MQTT_3_1_2_3():
+    eng = mk()
+    p = Peer(eng)
+    p.send(h("10 0f 0004 4d515454 05 03 003c 00 0002 6335"))
+    _, rc, _ = connack_of(p.packets())
+    assert rc == 0x81 and p.c.closed
+    p = Peer(eng)
+    p.send(h("10 0e 0004 4d515454 04 03 003c 0002 6331"))    # 3.1.1: just closed
+    expect_closed_silent(p)
+    assert eng.connected == 0 and eng.pre == 0
+
+
+def test_connect_will_flags_MQTT_3_1_2_11_12_13():
+    # 5.0 CONNECT, Will Flag 1 + Will QoS 3 (flags 0x1e), will "w" = ""
+    vec_q3 = "10 15 0004 4d515454 05 1e 003c 00 0002 6335 00 0001 77 0000"
+    # Will Flag 0 with Will QoS 1 (0x0a); Will Flag 0 with Will Retain (0x22)
+    vec_q_noflag = "10 0f 0004 4d515454 05 0a 003c 00 0002 6335"
+    vec_r_noflag = "10 0f 0004 4d515454 05 22 003c 00 0002 6335"
+    for vec in (vec_q3, vec_q_noflag, vec_r_noflag):
+        eng = mk()
+        p = Peer(eng)
+        p.send(h(vec))
+        _, rc, _ = connack_of(p.packets())
+        assert rc == 0x81 and p.c.closed, vec
+    # 3.1.1 (MQTT-3.1.2-14 Will QoS 3, MQTT-3.1.2-13/15): closed, no CONNACK
+    eng = mk()
+    p = Peer(eng)
+    p.send(h("10 13 0004 4d515454 04 1e 003c 0002 6331 0001 77 0000"))
+    expect_closed_silent(p)
+
+
+def test_connect_will_topic_with_wildcard_refused():
+    eng = mk()
+    p = Peer(eng)
+    p.send(connect("w", will=("a/#", b"x", 0, False, b"")))
+    _, rc, _ = connack_of(p.packets())
+    assert rc == 0x90 and p.c.closed
+
+
+def test_connect_will_qos_above_maximum_0x9B_MQTT_3_2_2_12():
+    eng = mk(maximum_qos=1)
+    p = Peer(eng)
+    p.send(connect("w", will=("w", b"x", 2, False, b"")))
+    _, rc, _ = connack_of(p.packets())
+    assert rc == 0x9B and p.c.closed
+    p = Peer(eng)
+    p.send(connect("w", v=4, will=("w", b"x", 2, False, b"")))
+    assert p.out() == h("20 02 00 03") and p.c.closed
+
+
+def test_connect_will_retain_without_retain_available_0x9A_MQTT_3_2_2_13():
+    eng = mk(retain_available=False)
+    p = Peer(eng)
+    p.send(connect("w", will=("w", b"x", 0, True, b"")))
+    _, rc, _ = connack_of(p.packets())
+    assert rc == 0x9A and p.c.closed
+
+
+def test_connect_311_password_without_user_malformed_MQTT_3_1_2_22():
+    # 3.1.1 MQTT-3.1.2-22: Password Flag 1 needs User Name Flag 1
+    eng = mk()
+    p = Peer(eng)
+    p.send(h("10 12 0004 4d515454 04 42 003c 0002 6331 0002 7077"))
+    expect_closed_silent(p)
+    # 5.0 allows a password without a user name (3.1.2.9): not malformed
+    p = Peer(eng)
+    p.send(connect("c5", pw=b"pw"))
+    _, rc, _ = connack_of(p.packets())
+    assert rc == 0
+
+
+def test_connect_bad_auth_0x86_and_311_rc4_3_2_2_2():
+    eng = mk(allow_anonymous=False, users={"u": "pw"})
+    for v, kw in ((5, {"user": "u", "pw": b"no"}), (5, {"user": "who", "pw": b"pw"}),
+                  (5, {"user": "u"}), (5, {})):
+        p = Peer(eng)
+        p.send(connect("a", v, **kw))
+        _, rc, _ = connack_of(p.packets())
+        assert rc == 0x86 and p.c.closed, kw
+    for kw in ({"user": "u", "pw": b"no"}, {}):
+        p = Peer(eng)
+        p.send(connect("a", 4, **kw))
+        out = p.out()
+        assert out in (h("20 02 00 04"), h("20 02 00 05")) and p.c.closed, (kw, out)
+    assert eng.connected == 0 and eng.refusals["auth"] == 6
+    Peer(eng, "a", user="u", pw=b"pw")
+    assert eng.connected == 1
+
+
+def test_connect_sha256_password_accepted():
+    # users value "sha256:<hex>" holds the SHA-256 of the password
+    eng = mk(allow_anonymous=False, users={
+        # SHA-256 of "password"
+        "u": "sha256:5E884898DA28047151D0E56F8DC6292773603D0D6AABBDD62A11EF721D1542D8"})
+    Peer(eng, "a", user="u", pw=b"password")
+    p = Peer(eng)
+    p.send(connect("b", user="u", pw=b"Password"))
+    assert connack_of(p.packets())[1] == 0x86
+
+
+def test_connect_311_empty_id_needs_clean_session_MQTT_3_1_3_8():
+    eng = mk()
+    p = Peer(eng)
+    p.send(h("10 0c 0004 4d515454 04 02 003c 0000"))          # CleanSession 1: accepted
+    assert p.out() == h("20 02 00 00")
+    p = Peer(eng)
+    p.send(h("10 0c 0004 4d515454 04 00 003c 0000"))          # CleanSession 0: rc 2, closed
+    assert p.out() == h("20 02 00 02") and p.c.closed
+    assert eng.refusals["client_id"] == 1
+
+
+def test_connect_5_empty_id_gets_unique_assigned_id_MQTT_3_1_3_6_7():
+    eng = mk()
+    ids = []
+    for clean in (True, False):
+        p = Peer(eng)
+        p.send(connect("", clean=clean, props=p_u32(0x11, 60)))
+        flags, rc, props = connack_of(p.packets())
+        assert rc == 0 and flags == 0
+        ids.append(props[0x12])
+        assert p.c.sess.cid == props[0x12]
+    assert ids[0] != ids[1] and ids[0] and ids[1]
+
+
+def test_connect_client_id_over_256_refused_0x85():
+    eng = mk()
+    p = Peer(eng)
+    p.send(connect("x" * 257))
+    assert connack_of(p.packets())[1] == 0x85 and p.c.closed
+
+
+def test_connect_receive_maximum_0_protocol_error_3_1_2_11_3():
+    eng = mk()
+    p = Peer(eng)
+    p.send(connect("r", props=p_u16(0x21, 0)))
+    assert connack_of(p.packets())[1] == 0x82 and p.c.closed
+
+
+def test_connect_authentication_method_refused_0x8C_4_12():
+    eng = mk()
+    p = Peer(eng)
+    p.send(connect("e", props=p_str(0x15, "SCRAM-SHA-1")))
+    assert connack_of(p.packets())[1] == 0x8C and p.c.closed
+
+
+def test_connect_max_clients_refused_0x97_and_311_rc3():
+    eng = mk(max_clients=2)
+    a = Peer(eng, "a")
+    Peer(eng, "b", v=4)
+    p = Peer(eng)
+    p.send(connect("c"))
+    assert connack_of(p.packets())[1] == 0x97 and p.c.closed
+    p = Peer(eng)
+    p.send(connect("c", 4))
+    assert p.out() == h("20 02 00 03") and p.c.closed
+    assert eng.refusals["max_clients"] == 2
+    # a takeover of a connected client id needs no new slot (MQTT-3.1.4-3)
+    Peer(eng, "a")
+    assert a.c.closed and eng.connected == 2
+    # a slot freed is a slot again
+    a2 = eng.sessions["a"].conn
+    eng.lost(a2, T0)
+    Peer(eng, "c")
+    assert eng.connected == 2
+
+
+def test_connect_session_present_MQTT_3_2_2_2_3():
+    eng = mk()
+    p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
+    assert p.connack[0] == 0                                 # no session before
+    p.send(subscribe(1, [("t", 1)]))
+    p.packets()
+    p.send(h("e0 00"))
+    assert p.c.closed and "s" in eng.sessions
+    p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
+    assert p.connack[0] == 1                                 # MQTT-3.2.2-3
+    q = Peer(eng, "s", clean=True)
+    assert q.connack[0] == 0                                 # MQTT-3.2.2-2: Clean Start 1
+    assert p.c.closed and eng.sessions["s"].subs == {}       # MQTT-3.1.2-4: discarded
+
+
+def test_connect_311_persistent_session_present_MQTT_3_2_2_2():
+    eng = mk()
+    p = Peer(eng, "s", v=4, clean=False)
+    assert p.out() == b"" and p.connack == h("00 00")
+    p.send(h("e0 00"))
+    p = Peer(eng, "s", v=4, clean=False)
+    assert p.connack == h("01 00")                           # 3.1.1 MQTT-3.2.2-2
+    p.send(h("e0 00"))
+    p = Peer(eng, "s", v=4, clean=True)
+    assert p.connack == h("00 00")                           # 3.1.1 MQTT-3.2.2-1
+
+
+def test_connect_session_expiry_capped_and_announced_3_2_2_3_2():
+    eng = mk(max_session_expiry=100)
+    p = Peer(eng, "x", props=p_u32(0x11, 5000))
+    props, _ = rprops(p.connack, 2)
+    assert props[0x11] == 100 and eng.sessions["x"].expiry == 100
+
+
+def test_connect_server_keep_alive_replaces_client_value_MQTT_3_2_2_21():
+    eng = mk(server_keep_alive=20)
+    p = Peer(eng, "k", ka=600)
+    props, _ = rprops(p.connack, 2)
+    assert props[0x13] == 20
+    eng.turn(T0 + 29)
+    assert not p.c.closed
+    eng.turn(T0 + 31)                                        # 1.5 x 20 s passed
+    expect_disconnect(p, 0x8D)
+
+
+def test_first_packet_not_connect_closes_MQTT_3_1_0_1():
+    for vec in ("c0 00", "30 03 0001 61", "f0 00"):
+        eng = mk()
+        p = Peer(eng)
+        p.send(h(vec))
+        expect_closed_silent(p)
+        assert eng.pre == 0 and not eng.conns
+
+
+def test_second_connect_protocol_error_MQTT_3_1_0_2():
+    eng = mk()
+    p = Peer(eng, "c5")
+    p.send(h(V5_CONNECT))
+    expect_disconnect(p, 0x82)
+    q = Peer(eng, "c1", v=4)
+    q.send(h(V311_CONNECT))
+    expect_closed_silent(q)
+    assert eng.connected == 0
+
+
+def test_connect_split_across_reads_is_reassembled():
+    eng = mk()
+    p = Peer(eng)
+    vec = h(V5_CONNECT)
+    for k in range(len(vec)):
+        p.send(vec[k:k + 1])
+        if k < len(vec) - 1:
+            assert p.out() == b""
+    assert connack_of(p.packets())[1] == 0
+
+
+# ------------------------------------------------------------------ PUBLISH
+def test_publish_qos0_exact_bytes_to_311_and_5_subscribers_3_3():
+    eng = mk()
+    s4 = Peer(eng, "s4", v=4)
+    s4.send(h("82 06 0001 000161 00"))                      # SUBSCRIBE "a" QoS 0
+    assert s4.out() == h("90 03 0001 00")                    # SUBACK (3.1.1 3.9)
+    s5 = Peer(eng, "s5")
+    s5.send(h("82 07 0001 00 000161 00"))
+    assert s5.out() == h("90 04 0001 00 00")                 # SUBACK (5.0 3.9)
+    pub = Peer(eng, "p")
+    pub.send(h("30 05 0001 61 00 6d"))                       # PUBLISH "a" "m" QoS 0
+    assert pub.out() == b""                                  # MQTT-3.3.4-1: QoS 0, no answer
+    assert s4.out() == h("30 04 0001 61 6d")
+    assert s5.out() == h("30 05 0001 61 00 6d")
+
+
+def test_publish_qos1_puback_same_packet_id_MQTT_3_3_4_1_MQTT_4_3_2_4():
+    eng = mk()
+    for v in (4, 5):
+        p = Peer(eng, "p%d" % v, v=v)
+        p.send(publish("a", b"x", 1, 0x1234, v=v))
+        assert p.out() == h("40 02 1234")
+
+
+def test_publish_qos2_flow_and_duplicate_not_redelivered_MQTT_4_3_3_8_to_12():
+    eng = mk()
+    sub = Peer(eng, "s")
+    sub.sub("q2")
+    for v in (4, 5):
+        p = Peer(eng, "p%d" % v, v=v)
+        p.send(publish("q2", b"once", 2, 7, v=v))
+        assert p.out() == h("50 02 0007")                    # PUBREC
+        assert [m.payload for m in sub.msgs()] == [b"once"]
+        # MQTT-4.3.3-10: the same packet id before PUBREL (DUP=1): PUBREC
+        # again, no second delivery
+        p.send(publish("q2", b"once", 2, 7, dup=True, v=v))
+        assert p.out() == h("50 02 0007")
+        assert sub.out() == b""
+        p.send(h("62 02 0007"))                              # PUBREL
+        assert p.out() == h("70 02 0007")                    # PUBCOMP (MQTT-4.3.3-11)
+        # MQTT-4.3.3-12: after PUBCOMP the id starts a new message
+        p.send(publish("q2", b"again", 2, 7, v=v))
+        assert p.out() == h("50 02 0007")
+        assert [m.payload for m in sub.msgs()] == [b"again"]
+        p.send(h("62 02 0007"))
+        assert p.out() == h("70 02 0007")
+
+
+def test_pubrel_unknown_packet_id_pubcomp_0x92_3_7_2_1():
+    eng = mk()
+    p = Peer(eng, "p")
+    p.send(h("62 02 0009"))
+    assert p.out() == h("70 03 0009 92")
+    q = Peer(eng, "q", v=4)
+    q.send(h("62 02 0009"))
+    assert q.out() == h("70 02 0009")
+
+
+def test_outbound_qos1_and_downgrade_min_of_publish_and_granted_MQTT_3_8_4_8():
+    eng = mk()
+    s1 = Peer(eng, "s1")
+    s1.sub("d", 1)
+    s2 = Peer(eng, "s2")
+    s2.sub("d", 2)
+    s0 = Peer(eng, "s0")
+    s0.sub("d", 0)
+    p = Peer(eng, "p")
+    p.send(publish("d", b"1", 1, 1))
+    p.send(publish("d", b"2", 2, 2))
+    p.send(publish("d", b"0", 0))
+    got1 = [(m.qos, m.payload) for m in s1.msgs()]
+    got2 = [(m.qos, m.payload) for m in s2.msgs()]
+    got0 = [(m.qos, m.payload) for m in s0.msgs()]
+    assert got1 == [(1, b"1"), (1, b"2"), (0, b"0")]
+    assert got2 == [(1, b"1"), (2, b"2"), (0, b"0")]
+    assert got0 == [(0, b"1"), (0, b"2"), (0, b"0")]
+
+
+def test_outbound_qos1_puback_releases_inflight_MQTT_4_3_2_2():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("t", 1)
+    p = Peer(eng, "p")
+    p.send(publish("t", b"a", 1, 1))
+    m = s.msgs()[0]
+    assert m.qos == 1 and m.pid != 0 and m.dup == 0          # MQTT-2.2.1-4, MQTT-4.3.2-1
+    assert len(eng.sessions["s"].inflight) == 1
+    s.send(ack(4, m.pid))
+    assert eng.sessions["s"].inflight == [] and s.out() == b""
+
+
+def test_outbound_qos2_pubrec_pubrel_pubcomp_MQTT_4_3_3_3_to_5():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("t", 2)
+    p = Peer(eng, "p")
+    p.send(publish("t", b"a", 2, 1))
+    m = s.msgs()[0]
+    assert m.qos == 2 and m.pid
+    s.send(ack(5, m.pid))
+    assert s.out() == h("62 02") + u16(m.pid)                # MQTT-4.3.3-3: PUBREL
+    sess = eng.sessions["s"]
+    assert len(sess.inflight) == 1                           # MQTT-4.3.3-4: kept until PUBCOMP
+    s.send(ack(7, m.pid))
+    assert sess.inflight == [] and s.out() == b""
+
+
+def test_outbound_qos2_pubrec_error_ends_exchange_4_3_3():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("t", 2)
+    p = Peer(eng, "p")
+    p.send(publish("t", b"a", 2, 1))
+    m = s.msgs()[0]
+    s.send(ack(5, m.pid, 0x80))
+    assert s.out() == b"" and eng.sessions["s"].inflight == []
+
+
+def test_pubrec_unknown_packet_id_pubrel_0x92():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.send(ack(5, 77))
+    assert s.out() == h("62 03 004d 92")
+
+
+def test_puback_for_a_qos2_delivery_protocol_error_4_3_3():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("t", 2)
+    Peer(eng, "p").send(publish("t", b"a", 2, 1))
+    m = s.msgs()[0]
+    s.send(ack(4, m.pid))
+    expect_disconnect(s, 0x82)
+
+
+def test_outbound_window_follows_receive_maximum_MQTT_3_3_4_9():
+    eng = mk()
+    s = Peer(eng, "s", props=p_u16(0x21, 1))
+    s.sub("w", 1)
+    p = Peer(eng, "p")
+    for i in range(3):
+        p.send(publish("w", b"%d" % i, 1, i + 1))
+    got = s.msgs()
+    assert [m.payload for m in got] == [b"0"]                # one unacknowledged at a time
+    s.send(ack(4, got[0].pid))
+    got = s.msgs()
+    assert [m.payload for m in got] == [b"1"]
+    s.send(ack(4, got[0].pid))
+    assert [m.payload for m in s.msgs()] == [b"2"]
+
+
+def test_reconnect_resends_unacknowledged_publish_with_dup_and_pubrel_MQTT_4_4_0_1():
+    eng = mk()
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
+    s.sub("r", 2)
+    p = Peer(eng, "p")
+    p.send(publish("r", b"q1", 1, 1))
+    p.send(publish("r", b"q2", 2, 2))
+    m1, m2 = s.msgs()
+    s.send(ack(5, m2.pid))                                   # PUBREC: PUBREL outstanding
+    assert s.out() == h("62 02") + u16(m2.pid)
+    eng.lost(s.c, T0 + 1)
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60), now=T0 + 2)
+    assert s.connack[0] == 1
+    got = s.packets()
+    assert len(got) == 2, got
+    m = Msg(got[0][0], got[0][1], 5)
+    assert (m.payload, m.pid, m.dup, m.qos) == (b"q1", m1.pid, 1, 1)
+    assert got[1] == (0x62, u16(m2.pid))                     # PUBREL again, same id
+
+
+def test_ENGINE_BUG_1_expired_inflight_message_blocks_session_MQTT_4_4_0_1():
+    # ENGINE BUG 1 (lead's engine-bugs notes): on reconnect an unacknowledged PUBLISH
+    # whose Message Expiry passed is neither resent (MQTT-4.4.0-1) nor
+    # dropped: it keeps its inflight slot for good, so with Receive
+    # Maximum 1 the session never delivers again.
+    eng = mk()
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 600) + p_u16(0x21, 1))
+    s.sub("x", 1)
+    p = Peer(eng, "p")
+    p.send(publish("x", b"short", 1, 1, props=p_u32(0x02, 2)))
+    assert [m.payload for m in s.msgs()] == [b"short"]
+    eng.lost(s.c, T0 + 1)
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 600) + p_u16(0x21, 1), now=T0 + 5)
+    resent = s.msgs()
+    # resent (DUP) as the spec asks, or at least not holding the window
+    for m in resent:
+        s.send(ack(4, m.pid))
+    p.send(publish("x", b"later", 1, 2), now=T0 + 6)
+    got = [m.payload for m in s.msgs()]
+    assert got == [b"later"], "after reconnect: resent %r, then %r" % (resent, got)
+
+
+def test_overlapping_subscriptions_one_copy_max_qos_all_ids_MQTT_3_3_4_2_3_4():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("o/+", 0, 1, props=b"\x0b\x05")
+    s.sub("o/#", 1, 2, props=b"\x0b\x07")
+    s.sub("o/x", 2, 3)
+    Peer(eng, "p").send(publish("o/x", b"m", 2, 1))
+    got = s.msgs()
+    assert len(got) == 1 and got[0].qos == 2
+    assert sorted(got[0].props[0x0B]) == [5, 7]
+
+
+def test_no_local_not_sent_back_to_publisher_MQTT_3_8_3_3():
+    eng = mk()
+    p = Peer(eng, "me")
+    p.sub("n", 0x04)
+    other = Peer(eng, "other")
+    other.sub("n", 0)
+    p.send(publish("n", b"x"))
+    assert p.out() == b""
+    assert [m.payload for m in other.msgs()] == [b"x"]
+
+
+def test_retain_flag_on_forward_follows_retain_as_published_MQTT_3_3_1_12_13():
+    eng = mk()
+    rap = Peer(eng, "rap")
+    rap.sub("f", 0x08)
+    plain = Peer(eng, "plain")
+    plain.sub("f", 0)
+    old = Peer(eng, "old", v=4)
+    old.send(subscribe(1, [("f", 0)], v=4))
+    old.packets()
+    Peer(eng, "p").send(publish("f", b"r", retain=True))
+    assert rap.msgs()[0].retain == 1
+    assert plain.msgs()[0].retain == 0
+    assert old.out() == h("30 04 0001 66 72")                # 3.1.1 MQTT-3.3.1-9: RETAIN 0
+
+
+def test_properties_forwarded_expiry_decremented_MQTT_3_3_2_6_MQTT_3_3_2_17_18():
+    eng = mk()
+    sb = Peer(eng, "s", clean=False, props=p_u32(0x11, 600))
+    sb.sub("pr", 1)
+    props = (b"\x01\x01" + p_str(0x03, "text/plain") + p_str(0x08, "re/ply")
+             + bytes((0x09,)) + s(b"\x00\x01") + p_user("k", "v1") + p_user("k", "v2")
+             + p_u32(0x02, 10))
+    eng.lost(sb.c, T0)
+    Peer(eng, "p").send(publish("pr", b"x", 1, 1, props=props))
+    sb = Peer(eng, "s", clean=False, props=p_u32(0x11, 600), now=T0 + 4)
+    m = sb.msgs()[0]
+    assert m.props[0x01] == 1 and m.props[0x03] == "text/plain" and m.props[0x08] == "re/ply"
+    assert m.props[0x09] == b"\x00\x01"
+    assert m.props[0x26] == [("k", "v1"), ("k", "v2")]       # order kept (MQTT-3.3.2-18)
+    assert m.props[0x02] == 6                                # 10 s less the 4 s waited
+    # MQTT-3.3.2-5: an expired message is not delivered
+    eng.lost(sb.c, T0 + 5)
+    Peer(eng, "p2").send(publish("pr", b"gone", 1, 1, props=p_u32(0x02, 2)), now=T0 + 5)
+    sb = Peer(eng, "s", clean=False, props=p_u32(0x11, 600), now=T0 + 8)
+    assert [m.payload for m in sb.msgs()] == [b"x"]          # only the old one, resent
+
+
+def test_topic_alias_set_then_used_MQTT_3_3_2_12():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("al/#")
+    p = Peer(eng, "p")
+    p.send(publish("al/one", b"1", props=p_u16(0x23, 3)))
+    p.send(publish("", b"2", props=p_u16(0x23, 3)))
+    got = s.msgs()
+    assert [(m.topic, m.payload) for m in got] == [("al/one", b"1"), ("al/one", b"2")]
+    assert 0x23 not in got[0].props                          # aliases are per connection
+
+
+def test_publish_to_sys_refused_0x87_not_delivered():
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("$SYS/x")
+    p = Peer(eng, "p")
+    p.send(publish("$SYS/x", b"fake", 1, 3))
+    assert p.out() == h("40 03 0003 87")
+    assert s.out() == b""
+
+
+def test_publish_qos_above_maximum_0x9B_MQTT_3_2_2_11():
+    eng = mk(maximum_qos=1)
+    p = Peer(eng, "p")
+    p.send(publish("q", b"x", 2, 1))
+    expect_disconnect(p, 0x9B)
+
+
+def test_publish_retain_without_retain_available_0x9A_MQTT_3_2_2_14():
+    eng = mk(retain_available=False)
+    p = Peer(eng, "p")
+    p.send(publish("r", b"x", retain=True))
+    expect_disconnect(p, 0x9A)
+
+
+def test_inbound_qos2_beyond_receive_maximum_0x93_3_3_4():
+    eng = mk(max_inflight=2)
+    p = Peer(eng, "p")
+    p.send(publish("q", b"1", 2, 1))
+    p.send(publish("q", b"2", 2, 2))
+    assert p.out() == h("50 02 0001 50 02 0002")
+    p.send(publish("q", b"3", 2, 3))
+    expect_disconnect(p, 0x93)
+
+
+def test_topic_over_max_topic_length_or_levels_0x90():
+    eng = mk(max_topic_length=8, max_topic_levels=3)
+    for t in ("123456789", "a/b/c/d"):
+        p = Peer(eng, "p")
+        p.send(publish(t, b"x"))
+        expect_disconnect(p, 0x90)
+
+
+def test_packet_over_maximum_packet_size_0x95_3_2_2_3_6():
+    eng = mk(max_packet_size=128)
+    p = Peer(eng, "p")
+    big = publish("a", b"x" * 200)
+    p.send(big[:4])                                          # refused from the fixed header
+    expect_disconnect(p, 0x95)
+    q = Peer(eng, "q", v=4)
+    q.send(publish("a", b"x" * 200, v=4)[:4])
+    expect_closed_silent(q)
+
+
+# --------------------------------------------------------- malformed packets
+# After an accepted 5.0 CONNECT: (statement, vector, DISCONNECT reason code).
+MALFORMED_5 = (
+    ("MQTT-3.3.1-4 PUBLISH QoS 3", "36 03 0001 61", 0x81),
+    ("MQTT-3.3.1-2 DUP 1 on QoS 0", "38 04 0001 61 00", 0x81),
+    ("MQTT-3.3.2-2 '#' in a Topic Name", "30 04 0001 23 00", 0x90),
+    ("MQTT-3.3.2-2 '+' in a Topic Name", "30 06 0003 612f2b 00", 0x90),
+    ("MQTT-2.2.1-3 QoS 1 PUBLISH with Packet Identifier 0", "32 06 0001 61 0000 00", 0x82),
+    ("MQTT-1.5.4-1 ill-formed UTF-8 Topic Name", "30 04 0001 ff 00", 0x81),
+    ("MQTT-1.5.4-1 UTF-16 surrogate in a Topic Name", "30 06 0003 eda080 00", 0x81),
+    ("MQTT-1.5.4-2 U+0000 in a Topic Name", "30 05 0002 6100 00", 0x81),
+    ("MQTT-3.3.4-6 Subscription Identifier from a client", "30 06 0001 61 02 0b01", 0x82),
+    ("MQTT-3.3.2-8 Topic Alias 0", "30 07 0001 61 03 230000", 0x94),
+    ("MQTT-3.3.2-9 Topic Alias above Topic Alias Maximum 10", "30 07 0001 61 03 23000b", 0x94),
+    ("3.3.2.3.4 empty Topic Name, Topic Alias never set", "30 06 0000 03 230001", 0x82),
+    ("MQTT-3.3.2-14 wildcard in Response Topic", "30 09 0001 61 05 08 0002 612b", 0x82),
+    ("2.2.2.2 Message Expiry Interval twice", "30 0e 0001 61 0a 0200000001 0200000002", 0x82),
+    ("2.2.2.1 Property Length beyond the packet", "30 04 0001 61 09", 0x81),
+    ("2.2.2.2 unknown property identifier", "30 06 0001 61 02 7f00", 0x81),
+    ("MQTT-1.5.5-1 Remaining Length over 4 bytes", "30 ff ff ff ff 01", 0x81),
+    ("MQTT-2.1.3-1 PUBACK reserved flags", "41 02 0001", 0x81),
+    ("MQTT-3.6.1-1 PUBREL flags 0000", "60 02 0001", 0x81),
+    ("MQTT-3.8.1-1 SUBSCRIBE flags 0000", "80 07 0001 00 000161 00", 0x81),
+    ("MQTT-3.10.1-1 UNSUBSCRIBE flags 0000", "a0 06 0001 00 000161", 0x81),
+    ("MQTT-3.8.3-2 SUBSCRIBE without a Topic Filter", "82 03 0001 00", 0x82),
+    ("MQTT-3.8.3-5 reserved Subscription Options bits", "82 07 0001 00 000161 c0", 0x81),
+    ("3.8.3.1 Retain Handling 3", "82 07 0001 00 000161 30", 0x82),
+    ("MQTT-2.2.1-3 SUBSCRIBE Packet Identifier 0", "82 07 0000 00 000161 00", 0x82),
+    ("3.8.2.1.2 Subscription Identifier 0", "82 09 0001 02 0b00 000161 00", 0x82),
+    ("MQTT-1.5.4-1 ill-formed UTF-8 Topic Filter", "82 07 0001 00 0001c0 00", 0x81),
+    ("MQTT-3.10.3-2 UNSUBSCRIBE without a Topic Filter", "a2 03 0001 00", 0x82),
+    ("MQTT-2.2.1-3 UNSUBSCRIBE Packet Identifier 0", "a2 06 0000 00 000161", 0x82),
+    ("2.1.3 PINGREQ reserved flags", "c1 00", 0x81),
+    ("3.12.1 PINGREQ with a body", "c0 01 00", 0x81),
+    ("MQTT-3.14.1-1 DISCONNECT reserved flags", "e1 00", 0x81),
+    ("2.1.2 reserved packet type 0", "00 00", 0x81),
+    ("2.1.2 CONNACK sent by a client", "20 03 000000", 0x82),
+    ("2.1.2 SUBACK sent by a client", "90 04 0001 00 00", 0x82),
+    ("4.12 AUTH without Authentication Method in CONNECT", "f0 00", 0x82),
+    ("MQTT-3.14.2-2 Session Expiry in DISCONNECT after 0 in CONNECT",
+     "e0 07 00 05 1100000010", 0x82),
+    ("2.2.2.2 truncated PUBACK", "40 01 00", 0x81),
+    ("1.5.4 string longer than its packet", "30 04 0009 61 00", 0x81),
+)
+
+
+def test_malformed_and_protocol_errors_5_disconnect_reason_MQTT_4_13_1_1():
+    bad = []
+    for name, vec, rc in MALFORMED_5:
+        eng = mk()
+        p = Peer(eng, "m")
+        other = Peer(eng, "other")
+        other.sub("#")
+        p.send(h(vec))
+        out = p.packets()
+        got = out[-1][1][0] if out and out[-1][0] == 0xE0 else None
+        if not p.c.closed or got != rc:
+            bad.append("%s: closed=%s sent %r" % (name, p.c.closed, out))
+        # nothing a client sends can harm another client
+        assert not other.c.closed and eng.connected == 1, name
+        assert other.out() == b"", name
+    assert not bad, "\n".join(bad)
+
+
+def test_ENGINE_BUG_2_subscription_maximum_qos_3_is_protocol_error_3_8_3_1():
+    # ENGINE BUG 2 (lead's engine-bugs notes): 5.0 3.8.3.1 "It is a Protocol Error if
+    # the Maximum QoS field has the value 3": DISCONNECT 0x82; the engine
+    # sends 0x81. (3.1.1 MQTT-3.8.3-4 calls it malformed: closed, right.)
+    eng = mk()
+    p = Peer(eng, "m")
+    p.send(h("82 07 0001 00 000161 03"))
+    expect_disconnect(p, 0x82)
+
+
+def test_ENGINE_BUG_3_empty_topic_without_alias_is_protocol_error_3_3_2_1():
+    # ENGINE BUG 3 (lead's engine-bugs notes): 5.0 3.3.2.1 "It is a Protocol Error if
+    # the Topic Name is zero length and there is no Topic Alias": 0x82;
+    # the engine sends 0x90 (Topic Name invalid).
+    eng = mk()
+    p = Peer(eng, "m")
+    p.send(h("30 03 0000 00"))
+    expect_disconnect(p, 0x82)
+
+
+# After an accepted 3.1.1 CONNECT: the connection is closed, nothing sent.
+MALFORMED_311 = (
+    ("3.1.1 MQTT-3.3.1-4 PUBLISH QoS 3", "36 03 0001 61"),
+    ("3.1.1 MQTT-3.3.1-2 DUP 1 on QoS 0", "38 03 0001 61"),
+    ("3.1.1 MQTT-3.3.2-2 wildcard in a Topic Name", "30 03 0001 23"),
+    ("3.1.1 MQTT-1.5.3-1 ill-formed UTF-8 Topic Name", "30 03 0001 ff"),
+    ("3.1.1 MQTT-1.5.3-2 U+0000 in a Topic Name", "30 04 0002 6100"),
+    ("3.1.1 MQTT-2.3.1-1 QoS 1 PUBLISH with Packet Identifier 0", "32 05 0001 61 0000"),
+    ("3.1.1 MQTT-3.6.1-1 PUBREL flags 0000", "60 02 0001"),
+    ("3.1.1 MQTT-3.8.1-1 SUBSCRIBE flags 0000", "80 06 0001 000161 00"),
+    ("3.1.1 MQTT-3.8.3-3 SUBSCRIBE without a Topic Filter", "82 02 0001"),
+    ("3.1.1 MQTT-3.8.3-4 reserved bits in the requested QoS byte", "82 06 0001 000161 04"),
+    ("3.1.1 MQTT-3.8.3-4 requested QoS 3", "82 06 0001 000161 03"),
+    ("3.1.1 MQTT-3.10.1-1 UNSUBSCRIBE flags 0000", "a0 05 0001 000161"),
+    ("3.1.1 MQTT-3.10.3-2 UNSUBSCRIBE without a Topic Filter", "a2 02 0001"),
+    ("3.1.1 MQTT-3.1.0-2 a second CONNECT", V311_CONNECT),
+    ("3.1.1 2.2.1 reserved packet type 0", "00 00"),
+    ("3.1.1 2.2.1 reserved packet type 15", "f0 00"),
+    ("3.1.1 2.2.3 Remaining Length over 4 bytes", "30 ff ff ff ff 01"),
+    ("3.1.1 MQTT-3.14.1-1 DISCONNECT reserved flags", "e1 00"),
+)
+
+
+def test_malformed_311_connection_closed_without_disconnect_MQTT_4_8_0_1():
+    # 3.1.1 4.8: on a protocol violation the Server MUST close the Network
+    # Connection; 3.1.1 has no DISCONNECT from the server.
+    bad = []
+    for name, vec in MALFORMED_311:
+        eng = mk()
+        p = Peer(eng, "c1", v=4)
+        p.send(h(vec))
+        out = p.out()
+        if not p.c.closed or out:
+            bad.append("%s: closed=%s sent %r" % (name, p.c.closed, out))
+    assert not bad, "\n".join(bad)
+
+
+def test_malformed_connect_5_answered_by_connack_0x81_MQTT_3_1_4_1():
+    # a broken CONNECT of level 5 gets CONNACK with the reason code (3.2.2.2)
+    for vec in ("10 0f 0004 4d515454 05 02 003c 02 7f00 0000",     # unknown property
+                "10 0f 0004 4d515454 05 02 003c 00 0002 ff61",     # client id not UTF-8
+                "10 11 0004 4d515454 05 02 003c 00 0002 6335 0000"):  # bytes after the payload
+        eng = mk()
+        p = Peer(eng)
+        p.send(h(vec))
+        _, rc, _ = connack_of(p.packets())
+        assert rc == 0x81 and p.c.closed, vec
+        assert eng.pre == 0 and not eng.conns
+
+
+# ---------------------------------------------------------------- SUBSCRIBE
+def test_subscribe_bad_filters_0x8F_and_311_0x80_in_order_MQTT_3_9_3_1():
+    eng = mk()
+    p = Peer(eng, "s")
+    p.send(subscribe(9, [("ok/+", 1), ("a/#/b", 0), ("a+", 0), ("", 0), ("#", 2)]))
+    f, b = p.packets()[0]
+    assert f == 0x90 and b[:2] == u16(9)
+    assert b[-5:] == h("01 8f 8f 8f 02")                      # MQTT-4.7.1-1/2/3, MQTT-4.7.3-1
+    q = Peer(eng, "s4", v=4)
+    q.send(subscribe(9, [("ok/+", 1), ("a/#/b", 0), ("a+", 0), ("#", 2)], v=4))
+    assert q.out() == h("90 06 0009 01 80 80 02")           # 3.1.1 MQTT-3.8.4-5 / 3.9.3
+
+
+def test_subscribe_shared_refused_0x9E_and_311_0x80():
+    eng = mk()
+    p = Peer(eng, "s")
+    p.send(subscribe(1, [("$share/g/a", 1)]))
+    f, b = p.packets()[0]
+    assert f == 0x90 and b[:2] == u16(1) and b[-1:] == b"\x9e"
+    q = Peer(eng, "s4", v=4)
+    q.send(subscribe(1, [("$share/g/a", 1)], v=4))
+    assert q.out() == h("90 03 0001 80")
+    Peer(eng, "p").send(publish("a", b"x"))
+    assert p.out() == b"" and q.out() == b""
+
+
+def test_subscribe_reason_string_only_when_problem_information_asked_MQTT_3_1_2_29():
+    eng = mk()
+    p = Peer(eng, "s")
+    p.send(subscribe(1, [("a+", 0)]))
+    props, _ = rprops(p.packets()[0][1], 2)
+    assert 0x1F in props
+    q = Peer(eng, "q", props=b"\x17\x00")                    # Request Problem Information 0
+    q.send(subscribe(1, [("a+", 0)]))
+    assert q.out() == h("90 04 0001 00 8f")
+
+
+def test_subscribe_granted_qos_capped_by_maximum_qos_MQTT_3_2_2_9():
+    eng = mk(maximum_qos=1)
+    p = Peer(eng, "s")
+    p.send(subscribe(1, [("a", 2)]))
+    assert p.out() == h("90 04 0001 00 01")
+
+
+def test_subscribe_max_subscriptions_0x97():
+    eng = mk(max_subscriptions=2)
+    p = Peer(eng, "s")
+    p.send(subscribe(1, [("a", 0), ("b", 0), ("c", 0), ("a", 1)]))
+    f, b = p.packets()[0]
+    assert b[-4:] == h("00 00 97 01")                        # a repeated filter needs no slot
+
+
+def test_subscribe_repeated_filter_replaces_MQTT_3_8_4_3():
+    eng = mk()
+    p = Peer(eng, "s")
+    p.sub("t", 0)
+    p.sub("t", 1)
+    Peer(eng, "p").send(publish("t", b"x", 1, 1))
+    got = p.msgs()
+    assert len(got) == 1 and got[0].qos == 1
+    assert list(eng.sessions["s"].subs) == ["t"]
+
+
+def _retained_engine(**kw):
+    eng = mk(**kw)
+    p = Peer(eng, "p")
+    p.send(publish("r/a", b"A", 1, 1, retain=True))
+    p.send(publish("r/b", b"B", 0, retain=True))
+    p.send(publish("r/c", b"C", 2, 2, retain=True))
+    p.send(publish("other", b"O", 0, retain=True))
+    p.out()
+    return eng
+
+
+def test_retained_sent_after_suback_with_retain_1_MQTT_3_3_1_9():
+    eng = _retained_engine()
+    s = Peer(eng, "s")
+    s.send(subscribe(4, [("r/+", 2)]))
+    out = s.packets()
+    assert out[0] == (0x90, h("0004 00 02"))                  # SUBACK first (MQTT-3.8.4-1)
+    got = sorted((Msg(f, b, 5).topic, Msg(f, b, 5).payload, Msg(f, b, 5).qos, Msg(f, b, 5).retain)
+                 for f, b in out[1:])
+    assert got == [("r/a", b"A", 1, 1), ("r/b", b"B", 0, 1), ("r/c", b"C", 2, 1)]
+    q = Peer(eng, "q", v=4)
+    q.send(subscribe(1, [("r/b", 0)], v=4))
+    assert q.out() == h("90 03 0001 00 31 06 0003 722f62 42")  # 3.1.1 MQTT-3.3.1-8: RETAIN 1
+
+
+def test_retain_handling_1_only_new_and_2_never_MQTT_3_3_1_10_11():
+    eng = _retained_engine()
+    s = Peer(eng, "s")
+    assert [m.topic for m in s.sub("r/a", 0x10)] == ["r/a"]  # RH 1, new: sent
+    assert s.sub("r/a", 0x10) == []                          # RH 1, existing: not sent
+    assert s.sub("r/b", 0x20) == []                          # RH 2: never
+    # RH 0 on a repeated filter: sent again (MQTT-3.8.4-3)
+    assert [m.topic for m in s.sub("r/a", 0)] == ["r/a"]
+
+
+def test_retained_replace_delete_and_non_retained_publish_MQTT_3_3_1_5_to_8():
+    eng = _retained_engine()
+    p = Peer(eng, "p2")
+    p.send(publish("r/a", b"A2", retain=True))               # MQTT-3.3.1-5: replaces
+    p.send(publish("r/b", b"", retain=True))                 # MQTT-3.3.1-6/7: deletes
+    p.send(publish("r/c", b"C2"))                            # MQTT-3.3.1-8: not stored
+    s = Peer(eng, "s")
+    got = sorted((m.topic, m.payload) for m in s.sub("r/#", 0))
+    assert got == [("r/a", b"A2"), ("r/c", b"C")]
+    assert eng.store.count == 3
+
+
+def test_retained_delivery_is_paced_by_max_outbuf_D9():
+    eng = mk(max_outbuf=256)
+    p = Peer(eng, "p")
+    for i in range(40):
+        p.send(publish("pace/%02d" % i, b"x" * 40, retain=True))
+    s = Peer(eng, "s")
+    s.send(subscribe(1, [("pace/#", 0)]))
+    first = s.out()
+    assert len(first) < 2 * 256                              # not all 40 at once
+    got = split(first)[1:]
+    for _ in range(100):
+        eng.turn(eng.now_s)
+        b = s.out()
+        if not b:
+            break
+        got += split(b)
+    topics = sorted(Msg(f, b, 5).topic for f, b in got)
+    assert topics == ["pace/%02d" % i for i in range(40)]
+
+
+def test_sys_topics_on_subscribe_not_matched_by_wildcard_MQTT_4_7_2_1():
+    eng = mk()
+    s = Peer(eng, "s")
+    got = s.sub("$SYS/broker/version")
+    assert [(m.topic, m.payload, m.retain) for m in got] == [
+        ("$SYS/broker/version", eb.VERSION.encode(), 1)]
+    assert s.sub("#") == [] and s.sub("+/broker/version") == []
+
+
+# -------------------------------------------------------------- UNSUBSCRIBE
+def test_unsubscribe_unsuback_codes_and_no_more_messages_MQTT_3_10_4_1_to_5():
+    eng = mk()
+    p = Peer(eng, "u")
+    p.sub("a")
+    p.send(unsubscribe(3, ["a", "never"]))
+    assert p.out() == h("b0 05 0003 00 00 11")               # MQTT-3.11.3-1 order
+    q = Peer(eng, "u4", v=4)
+    q.send(subscribe(1, [("a", 0)], v=4))
+    q.out()
+    q.send(unsubscribe(3, ["a"], v=4))
+    assert q.out() == h("b0 02 0003")                        # 3.1.1 UNSUBACK
+    Peer(eng, "pub").send(publish("a", b"x"))
+    assert p.out() == b"" and q.out() == b""                 # MQTT-3.10.4-2
+
+
+# --------------------------------------------------------- PINGREQ and AUTH
+def test_pingreq_pingresp_MQTT_3_12_4_1():
+    eng = mk()
+    for v in (4, 5):
+        p = Peer(eng, "p%d" % v, v=v)
+        p.send(h("c0 00"))
+        assert p.out() == h("d0 00")
+
+
+def test_auth_after_plain_connect_protocol_error_4_12():
+    eng = mk()
+    p = Peer(eng, "a")
+    p.send(h("f0 02 18 00"))                                 # AUTH Continue authentication
+    expect_disconnect(p, 0x82)
+
+
+# --------------------------------------------------------------- DISCONNECT
+def _will_watch(eng):
+    w = Peer(eng, "watch")
+    w.sub("will/#", 1)
+    return w
+
+
+def test_normal_disconnect_discards_will_MQTT_3_14_4_3():
+    eng = mk()
+    w = _will_watch(eng)
+    for v in (4, 5):
+        p = Peer(eng, "w%d" % v, v=v, will=("will/%d" % v, b"bye", 1, False, b""))
+        p.send(h("e0 00"))
+        assert p.c.closed and p.out() == b""
+    assert w.out() == b""
+
+
+def test_disconnect_with_will_0x04_publishes_will_3_14_2_1():
+    eng = mk()
+    w = _will_watch(eng)
+    p = Peer(eng, "w", will=("will/x", b"bye", 1, False, p_user("k", "v")))
+    p.send(h("e0 01 04"))
+    assert p.c.closed
+    m = w.msgs()[0]
+    assert (m.topic, m.payload, m.qos) == ("will/x", b"bye", 1)
+    assert m.props[0x26] == [("k", "v")]
+
+
+def test_connection_lost_publishes_will_retained_MQTT_3_1_2_8_MQTT_3_1_2_17():
+    eng = mk()
+    w = _will_watch(eng)
+    p = Peer(eng, "w", v=4, will=("will/r", b"gone", 0, True, b""))
+    eng.lost(p.c, T0 + 1)
+    assert [m.payload for m in w.msgs()] == [b"gone"]
+    s = Peer(eng, "late")
+    assert [(m.topic, m.retain) for m in s.sub("will/r")] == [("will/r", 1)]
+
+
+def test_will_delay_interval_and_reconnect_cancels_3_1_3_2_2():
+    eng = mk()
+    w = _will_watch(eng)
+    kw = dict(clean=False, props=p_u32(0x11, 100), will=("will/d", b"d", 0, False, p_u32(0x18, 5)))
+    p = Peer(eng, "wd", **kw)
+    eng.lost(p.c, T0)
+    eng.turn(T0 + 3)
+    assert w.out() == b""                                    # before the Will Delay Interval
+    eng.turn(T0 + 5.5)
+    assert [m.payload for m in w.msgs()] == [b"d"]
+    # a new connection before the delay: never sent (3.1.2.5)
+    p = Peer(eng, "wd", now=T0 + 10, **kw)
+    eng.lost(p.c, T0 + 10)
+    Peer(eng, "wd", now=T0 + 12, clean=False, props=p_u32(0x11, 100))
+    eng.turn(T0 + 20)
+    assert w.out() == b""
+
+
+def test_session_expiry_ends_session_3_1_2_11_2():
+    eng = mk()
+    p = Peer(eng, "se", clean=False, props=p_u32(0x11, 5))
+    p.sub("t", 1)
+    p.send(h("e0 00"))
+    eng.turn(T0 + 3)
+    assert "se" in eng.sessions
+    eng.turn(T0 + 6)
+    assert "se" not in eng.sessions
+    p = Peer(eng, "se", clean=False, props=p_u32(0x11, 5), now=T0 + 7)
+    assert p.connack[0] == 0
+
+
+def test_disconnect_may_set_session_expiry_3_14_2_2_2():
+    eng = mk()
+    p = Peer(eng, "x", clean=False, props=p_u32(0x11, 10))
+    p.send(h("e0 07 00 05 1100000000"))                      # Session Expiry 0: ends now
+    assert "x" not in eng.sessions
+
+
+# ---------------------------------------------------------------- takeover
+def test_session_takeover_old_connection_gets_0x8E_MQTT_3_1_4_3():
+    eng = mk()
+    w = _will_watch(eng)
+    old = Peer(eng, "same", clean=False, props=p_u32(0x11, 60))
+    old.sub("t", 1)
+    new = Peer(eng, "same", clean=False, props=p_u32(0x11, 60))
+    expect_disconnect(old, 0x8E)
+    assert new.connack[0] == 1 and not new.c.closed          # the session goes on
+    assert eng.connected == 2 and eng.sessions["same"].conn is new.c
+    Peer(eng, "p").send(publish("t", b"x", 1, 1))
+    assert [m.payload for m in new.msgs()] == [b"x"]
+    # 3.1.1: the old connection is just closed
+    o4 = Peer(eng, "same4", v=4)
+    Peer(eng, "same4", v=4)
+    expect_closed_silent(o4)
+    assert w.out() == b""
+
+
+def test_ENGINE_BUG_5_takeover_with_max_sessions_0_keeps_the_session_MQTT_3_1_2_5():
+    # ENGINE BUG 5 (lead's engine-bugs notes): with max_sessions 0 (boards/esp32.json)
+    # a client that reconnects with Clean Start 0 while its old connection
+    # is still open (a half-open socket after a WiFi drop) loses its
+    # session: the takeover closes the old connection, bound_offline() sees
+    # the session "offline" for that instant and discards it. MQTT-3.1.2-5:
+    # Clean Start 0 and an existing session -> resume it (Session Present 1).
+    eng = mk(max_sessions=0)
+    a = Peer(eng, "t", clean=False, props=p_u32(0x11, 60))
+    a.sub("x", 1)
+    b = Peer(eng, "t", clean=False, props=p_u32(0x11, 60))
+    assert b.connack[0] == 1, "Session Present 0 after a takeover"
+    Peer(eng, "p").send(publish("x", b"m", 1, 1))
+    assert [m.payload for m in b.msgs()] == [b"m"]
+
+
+# ------------------------------------------------------- keep alive, timers
+def test_keep_alive_timeout_one_and_a_half_MQTT_3_1_2_22():
+    eng = mk()
+    w = _will_watch(eng)
+    p5 = Peer(eng, "k5", ka=10, will=("will/k", b"ka", 0, False, b""))
+    p4 = Peer(eng, "k4", v=4, ka=10)
+    eng.turn(T0 + 10)
+    p5.send(h("c0 00"), now=T0 + 10)                         # a packet resets the timer
+    p5.out()
+    eng.turn(T0 + 15.5)
+    assert p4.c.closed and not p5.c.closed                   # 15.5 s > 1.5 x 10 s
+    eng.turn(T0 + 24)
+    assert not p5.c.closed
+    eng.turn(T0 + 25.5)
+    expect_disconnect(p5, 0x8D)
+    assert [m.payload for m in w.msgs()] == [b"ka"]          # as if the network failed
+
+
+def test_keep_alive_0_never_times_out_3_1_2_10():
+    eng = mk()
+    p = Peer(eng, "k", ka=0)
+    eng.turn(T0 + 100000)
+    assert not p.c.closed
+
+
+def test_no_connect_within_connect_timeout_closed():
+    eng = mk(connect_timeout=5)
+    p = Peer(eng)
+    eng.turn(T0 + 4)
+    assert not p.c.closed
+    eng.turn(T0 + 6)
+    assert p.c.closed and eng.pre == 0 and eng.refusals["connect_timeout"] == 1
+
+
+def test_pre_connect_connections_bounded_oldest_dropped():
+    eng = mk(max_clients=6)
+    assert eng.max_pre == 3
+    a = Peer(eng, now=T0)
+    b = Peer(eng, now=T0 + 1)
+    c = Peer(eng, now=T0 + 2)
+    assert eng.pre == 3 and not (a.c.closed or b.c.closed or c.c.closed)
+    d = Peer(eng, now=T0 + 3)
+    assert a.c.closed and a.c in eng.ended and a.out() == b""
+    assert not (b.c.closed or c.c.closed or d.c.closed)
+    assert eng.pre == 3 and eng.refusals["pre_connect"] == 1
+    # connected clients do not count; the survivors can still connect
+    b.send(connect("b"), now=T0 + 4)
+    assert connack_of(b.packets())[1] == 0 and eng.pre == 2
+    e = Peer(eng, now=T0 + 5)
+    assert not c.c.closed and not e.c.closed and eng.pre == 3
+    Peer(eng, now=T0 + 6)
+    assert c.c.closed and not d.c.closed and not b.c.closed
+
+
+def test_pre_connect_bytes_bounded_from_the_fixed_header():
+    eng = mk()
+    assert eng.max_pre_bytes < 16384
+    p = Peer(eng)
+    p.send(h("10") + vb(eng.max_pre_bytes + 10))             # a CONNECT header only
+    assert p.c.closed and p.c.pend is None
+
+
+# ------------------------------------------------------------ group commit
+class DurableStore(eb.RamStore):
+    """A durable store whose commit the test controls: `fail` makes the next
+    commit raise OSError 28 (flash full)."""
+    durable = True
+
+    def __init__(self):
+        eb.RamStore.__init__(self, 100)
+        self.commits = 0
+        self.fail = False
+
+    def commit(self):
+        self.commits += 1
+        if self.fail:
+            self.fail = False
+            raise OSError(28)
+
+
+def test_retained_qos1_ack_waits_for_commit_one_commit_per_turn():
+    st = DurableStore()
+    eng = mk(st)
+    a = Peer(eng, "a")
+    b = Peer(eng, "b", v=4)
+    a.send(publish("g/1", b"1", 1, 1, retain=True))
+    a.send(publish("g/2", b"2", 1, 2, retain=True))
+    b.send(publish("g/3", b"3", 1, 3, retain=True, v=4))
+    assert a.out() == b"" and b.out() == b"" and st.commits == 0
+    assert a.c in eng.deferred and b.c in eng.deferred
+    eng.turn(T0)
+    assert st.commits == 1                                   # one commit for the turn
+    assert a.out() == h("40 02 0001 40 02 0002") and b.out() == h("40 02 0003")
+    assert eng.deferred == []
+    eng.turn(T0)
+    assert st.commits == 1                                   # nothing changed, no commit
+
+
+def test_acks_after_a_deferred_one_keep_order_MQTT_4_6_0_2_3():
+    st = DurableStore()
+    eng = mk(st)
+    a = Peer(eng, "a")
+    a.send(publish("g/1", b"1", 1, 1, retain=True))          # waits for commit
+    a.send(publish("plain", b"2", 1, 2))                     # not retained: waits behind it
+    a.send(publish("g/q2", b"3", 2, 3, retain=True))         # PUBREC waits too (MQTT-4.6.0-3)
+    a.send(h("c0 00"))                                       # PINGRESP is not an ack: at once
+    assert a.out() == h("d0 00")
+    eng.turn(T0)
+    assert a.out() == h("40 02 0001 40 02 0002 50 02 0003")
+    c = Peer(eng, "c")
+    c.send(publish("plain", b"x", 1, 9))                     # nothing durable: at once
+    assert c.out() == h("40 02 0009")
+
+
+def test_retained_delete_waits_for_commit_missing_topic_does_not():
+    st = DurableStore()
+    eng = mk(st)
+    a = Peer(eng, "a")
+    a.send(publish("d", b"", 1, 1, retain=True))             # nothing stored: no wait
+    assert a.out() == h("40 02 0001")
+    a.send(publish("d", b"v", 0, retain=True))
+    eng.turn(T0)
+    a.send(publish("d", b"", 1, 2, retain=True))             # deletes: waits
+    assert a.out() == b""
+    eng.turn(T0)
+    assert a.out() == h("40 02 0002") and st.count == 0
+
+
+def test_failed_commit_acknowledges_nothing_and_disconnects_waiting_clients():
+    st = DurableStore()
+    eng = mk(st)
+    a = Peer(eng, "a")
+    b = Peer(eng, "b", v=4)
+    ok = Peer(eng, "ok")
+    a.send(publish("f/1", b"1", 1, 1, retain=True))
+    b.send(publish("f/2", b"2", 1, 2, retain=True, v=4))
+    st.fail = True
+    eng.turn(T0)
+    expect_disconnect(a, 0x80)                               # no PUBACK before it
+    expect_closed_silent(b)
+    assert eng.refusals["store_io"] == 1
+    # the engine goes on
+    ok.send(publish("f/3", b"3", 1, 3, retain=True))
+    eng.turn(T0)
+    assert ok.out() == h("40 02 0003") and st.commits == 2
+
+
+def test_ram_store_acks_at_once():
+    eng = mk()
+    a = Peer(eng, "a")
+    a.send(publish("g", b"1", 1, 1, retain=True))
+    assert a.out() == h("40 02 0001") and eng.deferred == []
+
+
+def test_local_retained_publish_commits_before_returning():
+    st = DurableStore()
+    b = eb.Broker(eb.limits({}), st, None, _log)
+    b.publish("loc/r", b"v", 1, True)
+    assert st.commits == 1 and st.get("loc/r")[2] == b"v"
+    b.publish("loc/n", b"v", 1, False)
+    assert st.commits == 1
+    st.fail = True
+    try:
+        b.publish("loc/r", b"w", 0, True)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("a failed commit did not raise OSError")
+
+
+def _tmpdir():
+    try:
+        import tempfile
+        return tempfile.mkdtemp(prefix="engine-")
+    except ImportError:  # MicroPython
+        import os
+        import time
+        d = "/tmp/engine-%d" % time.ticks_us()
+        os.mkdir(d)
+        return d
+
+
+def _rmtree(d):
+    import os
+    for n in os.listdir(d):
+        os.remove(d + "/" + n)
+    os.rmdir(d)
+
+
+def test_flash_store_retained_puback_only_after_it_is_on_disk():
+    import edgestore
+    d = _tmpdir()
+    try:
+        box = []
+
+        def clock():
+            return box[0].now_s if box else T0
+
+        st = edgestore.FlashStore(d + "/retained.ebrs", "disc_only", 100, clock=clock)
+        eng = mk(st)
+        box.append(eng)
+        a = Peer(eng, "a")
+        a.send(publish("disk/a", b"on flash", 1, 5, retain=True))
+        assert a.out() == b""
+        eng.turn(T0)
+        assert a.out() == h("40 02 0005")
+        # another reader of the file sees it: it is durable now
+        st2 = edgestore.FlashStore(d + "/retained.ebrs", "disc", 100, clock=clock)
+        assert st2.get("disk/a")[2] == b"on flash"
+        st2.close()
+        eng.shutdown()
+    finally:
+        _rmtree(d)
+
+
+# --------------------------------------------------------- the local client
+def test_local_publish_reaches_network_subscribers_with_properties():
+    eng = mk()
+    s5 = Peer(eng, "s5")
+    s5.sub("loc/#", 2)
+    s4 = Peer(eng, "s4", v=4)
+    s4.send(subscribe(1, [("loc/#", 1)], v=4))
+    s4.out()
+    eng.local_publish("loc/a", b"hi", 2, False, {
+        "payload_format_indicator": 1, "content_type": "text/plain", "response_topic": "loc/re",
+        "correlation_data": b"\x01\x02", "user_properties": [("a", "1"), ("b", "2")],
+        "message_expiry_interval": 30})
+    m = s5.msgs()[0]
+    assert (m.topic, m.payload, m.qos) == ("loc/a", b"hi", 2)
+    assert m.props[0x01] == 1 and m.props[0x03] == "text/plain" and m.props[0x08] == "loc/re"
+    assert m.props[0x09] == b"\x01\x02" and m.props[0x26] == [("a", "1"), ("b", "2")]
+    assert m.props[0x02] == 30
+    m4 = s4.msgs()[0]
+    assert (m4.topic, m4.payload, m4.qos) == ("loc/a", b"hi", 1)
+
+
+def test_local_subscribe_gets_retained_first_then_live_at_turn():
+    eng = _retained_engine()
+    got = []
+    eng.local_subscribe("r/+", lambda t, p, r, pr_: got.append((t, p, r, pr_)), 1)
+    assert got == []                                         # called from the turn, not inline
+    eng.turn(T0)
+    assert sorted(got) == [("r/a", b"A", True, {}), ("r/b", b"B", True, {}),
+                           ("r/c", b"C", True, {})]
+    del got[:]
+    Peer(eng, "p2").send(publish("r/x", b"X", 1, 1, props=p_str(0x03, "ct") + p_user("k", "v")))
+    assert got == []
+    eng.turn(T0)
+    assert got == [("r/x", b"X", False, {"content_type": "ct", "user_properties": [("k", "v")]})]
+
+
+def test_local_callback_that_raises_is_counted_others_still_served():
+    eng = mk()
+    got = []
+
+    def bad(t, p, r, props):
+        raise RuntimeError("app bug")
+
+    eng.local_subscribe("cb", bad, 0)
+    eng.local_subscribe("cb", lambda t, p, r, pr_: got.append(p), 0)
+    net = Peer(eng, "net")
+    net.sub("cb")
+    Peer(eng, "p").send(publish("cb", b"1"))
+    eng.turn(T0)
+    Peer(eng, "p2").send(publish("cb", b"2"))
+    eng.turn(T0)
+    assert got == [b"1", b"2"]
+    assert [m.payload for m in net.msgs()] == [b"1", b"2"]
+    assert eng.app_errors == 2
+
+
+def test_local_unsubscribe_stops_callbacks():
+    eng = mk()
+    got = []
+    hd = eng.local_subscribe("u", lambda t, p, r, pr_: got.append(p), 0)
+    eng.local_publish("u", b"1", 0, False, None)
+    eng.turn(T0)
+    eng.local_unsubscribe(hd)
+    eng.local_publish("u", b"2", 0, False, None)
+    eng.turn(T0)
+    assert got == [b"1"]
+
+
+def _value_error(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("no ValueError for %r" % (args,))
+
+
+def test_local_publish_bad_arguments_value_error_naming_the_argument():
+    eng = mk()
+    assert _value_error(eng.local_publish, "a/#", b"", 0, False, None).startswith("topic")
+    assert _value_error(eng.local_publish, "", b"", 0, False, None).startswith("topic")
+    assert _value_error(eng.local_publish, "$SYS/x", b"", 0, False, None).startswith("topic")
+    assert _value_error(eng.local_publish, "a", b"", 3, False, None).startswith("qos")
+    assert _value_error(eng.local_publish, "a", b"", 0, False, {"nope": 1}).startswith("properties")
+    assert _value_error(eng.local_publish, "a", b"", 0, False,
+                        {"response_topic": "a/+"}).startswith("properties")
+    assert _value_error(eng.local_subscribe, "a/#/b", print, 0).startswith("topic_filter")
+    assert _value_error(eng.local_subscribe, "$share/g/a", print, 0).startswith("topic_filter")
+    assert _value_error(eng.local_subscribe, "a", print, 5).startswith("qos")
+
+
+def test_ENGINE_BUG_4_local_publish_topic_with_null_character_MQTT_1_5_4_2():
+    # ENGINE BUG 4 (lead's engine-bugs notes): a local publish to "a\x00b" is accepted
+    # and forwarded; a UTF-8 string in a packet MUST NOT hold U+0000
+    # (MQTT-1.5.4-2), so the subscriber gets a malformed PUBLISH.
+    eng = mk()
+    s = Peer(eng, "s")
+    s.sub("#")
+    try:
+        eng.local_publish("a\x00b", b"x", 0, False, None)
+    except ValueError as e:
+        assert str(e).startswith("topic")
+        return
+    raise AssertionError("accepted and sent %r" % (s.out(),))
