@@ -2,7 +2,8 @@
 issue 8): host_tests/portable/local_app.py runs edgebroker.start() and
 serve_async() beside a user task, with the esp32 board profile
 (boards/esp32.json); under MicroPython as a board runs it, compiled by
-mpy-cross, imported as .mpy, in `-X heapsize=<heap_bytes>` of the profile.
+mpy-cross, imported as .mpy, in the profile's heap_bytes scaled to the 64-bit
+unix port (mqtt_helpers.board_heap_64).
 Both interpreters.
 
 - A user task that sleeps 10 ms at a time keeps waking while paho clients
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import free_port, paho_client
+from mqtt_helpers import board_heap_64, free_port, paho_client
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "host_tests" / "portable" / "local_app.py"
@@ -58,7 +59,7 @@ class App:
                 r = subprocess.run([str(cross), "-o", str(mpy / (src.stem + ".mpy")), str(src)],
                                    capture_output=True, timeout=60)
                 assert r.returncode == 0, r.stderr
-            heap = int(os.environ.get("EDGEBROKER_COEX_HEAP", _esp32()["heap_bytes"]))
+            heap = int(os.environ.get("EDGEBROKER_COEX_HEAP", board_heap_64(_esp32())))
             code = ("import sys\nsys.path.insert(0, %r)\nimport local_app\nlocal_app.main(%r)\n"
                     % (str(mpy), ["local_app.py", *args]))
             cmd = [_micropython(), "-X", "heapsize=%d" % heap, "-c", code]

@@ -1238,6 +1238,7 @@ class Engine:
         self.n_dropped = 0
         self.app_errors = 0
         self._heap = None     # (when, free, allocated): the last $SYS heap figures
+        self._keep = None     # a session being taken over: bound_offline spares it
         self.refusals = {}
         self._next_id = 0
         self._last_tick = 0
@@ -1563,8 +1564,12 @@ class Engine:
                                        "qos", "will QoS above Maximum QoS")
         # -- accepted: take over, then find or make the session
         if takeover:
-            # MQTT-3.1.4-3: the existing connection is closed, 5.0 with 0x8E
+            # MQTT-3.1.4-3: the existing connection is closed, 5.0 with 0x8E;
+            # the session it leaves is the one resumed (MQTT-3.1.2-5), so
+            # max_sessions must not discard it in between
+            self._keep = old
             self.disconnect(old.conn, _RC_TAKEN_OVER, "session taken over")
+            self._keep = None
             old = self.sessions.get(cid)
         if v5:
             sexp = props.get(_P_SESSION_EXPIRY, 0)
@@ -1678,7 +1683,8 @@ class Engine:
                 offline += 1
                 if oldest is None or s.gone < oldest.gone:
                     oldest = s
-        if offline > self.cfg["max_sessions"] and oldest is not None:
+        if offline > self.cfg["max_sessions"] and oldest is not None \
+                and oldest is not self._keep:
             self.refuse("max_sessions", "session %s discarded", oldest.cid)
             self.end_session(oldest)
 
@@ -1741,6 +1747,9 @@ class Engine:
                 rt = props.get(_P_RESPONSE_TOPIC)
                 if rt is not None and not valid_topic_name(rt):
                     raise MqttError(_RC_PROTOCOL, "wildcard in Response Topic")
+        if not topic:
+            # 3.3.2.1: a zero-length topic without a Topic Alias
+            raise MqttError(_RC_PROTOCOL, "empty topic name without Topic Alias")
         if not valid_topic_name(topic):
             raise MqttError(_RC_BAD_TOPIC, "invalid topic name")  # MQTT-3.3.2-2
         cfg = self.cfg
@@ -2142,7 +2151,8 @@ class Engine:
             elif opts & 0xFC:
                 raise MqttError(_RC_MALFORMED, "reserved subscription option bits")  # 3.1.1 MQTT-3.8.3-4
             if opts & 3 == 3:
-                raise MqttError(_RC_MALFORMED, "QoS 3 in SUBSCRIBE")
+                # 5.0 3.8.3.1: Maximum QoS 3 is a Protocol Error
+                raise MqttError(_RC_PROTOCOL if v5 else _RC_MALFORMED, "QoS 3 in SUBSCRIBE")
             if filt[:7] == "$share/":
                 codes.append(_RC_SHARED_UNSUPPORTED if v5 else 0x80)
                 why = "shared subscriptions not supported"
@@ -2422,7 +2432,8 @@ class Engine:
             payload = payload.encode()
         elif not isinstance(payload, bytes):
             payload = bytes(payload)
-        if not isinstance(topic, str) or not valid_topic_name(topic):
+        if not isinstance(topic, str) or not valid_topic_name(topic) or "\x00" in topic:
+            # MQTT-4.7.3-1, MQTT-3.3.2-2, MQTT-1.5.4-2 (no U+0000)
             raise ValueError("topic: %r is not a valid topic name" % (topic,))
         cfg = self.cfg
         tb = topic.encode()

