@@ -105,6 +105,12 @@ def test_read_only_data_dir_serves_from_ram_loudly(broker_factory, storage):
     assert c.publish("ro/new", b"in ram", qos=1, retain=True) == 0
     c.disconnect()
     assert retained(b.port) == {"ro/kept": b"on flash", "ro/new": b"in ram"}
+    # the $SYS flag says why retained messages are not kept on flash
+    s = raw_connect(b.port, "sys", version=5)
+    s.subscribe([("$SYS/broker/retained/degraded", 0)])
+    m = s.expect_publish(5)
+    assert m.retain and b"read-only" in m.payload
+    s.disconnect()
     assert "Traceback" not in b.log_text()
     b.stop()
     assert store.read_bytes() == before

@@ -932,6 +932,8 @@ class RamStore:
     A filter with a literal first level walks one partition, not the set."""
 
     durable = False
+    read_only = False   # a FlashStore on a data dir it cannot write
+    degraded = None     # why the store is not what storage_type asked for
 
     def __init__(self, capacity=1000):
         nb = 16
@@ -2616,6 +2618,9 @@ class Engine:
             ("app/errors", self.app_errors),
             ("clients/list", self.clients_list()),
         ]
+        if st.degraded:
+            # the flash store could not be written: served from RAM
+            vals.append(("retained/degraded", st.degraded))
         for cause in self.refusals:
             vals.append(("refusals/" + cause, self.refusals[cause]))
         if _mem_free is not None:
