@@ -236,6 +236,7 @@ def broker_command(
     data_dir: Path | None = None,
     overrides: Sequence[str] = (),
     lib: Path | None = None,
+    server: str = "poll",
 ) -> list[str]:
     """The argv that starts the broker, per docs/contract.md.
 
@@ -263,6 +264,8 @@ def broker_command(
             if sibling != Path(script):
                 compile_mpy(sibling, mpy.parent)
         rest = ["--board", str(board), "--port", str(port), "--bind", bind]
+        if server != "poll":
+            rest += ["--server", server]
         if data_dir is not None:
             rest += ["--data-dir", str(data_dir)]
         for item in overrides:
@@ -271,6 +274,8 @@ def broker_command(
     else:
         raise RunnerError(f"unknown interpreter {interpreter!r}: expected cpython or micropython")
     argv += ["--board", str(board), "--port", str(port), "--bind", bind]
+    if server != "poll":
+        argv += ["--server", server]
     if data_dir is not None:
         argv += ["--data-dir", str(data_dir)]
     for item in overrides:

@@ -85,6 +85,12 @@ def register(subparsers: Subparsers) -> None:
         metavar="DIR",
         help="directory for the retained store (default: ./data/<board name>)",
     )
+    parser.add_argument(
+        "--server",
+        choices=("poll", "async"),
+        default="poll",
+        help="poll (default: the host's fastest) or async (the asyncio server, as on a board)",
+    )
     add_set_option(parser)
     parser.set_defaults(handler=handle)
 
@@ -130,5 +136,6 @@ def handle(args: argparse.Namespace) -> int:
         data_dir=data_dir,
         overrides=overrides,
         lib=lib,
+        server=cast(str, args.server),
     )
     return runner.run_foreground(argv)
