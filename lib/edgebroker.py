@@ -89,6 +89,31 @@ else:
         except BlockingIOError:
             return -1
 
+# A keyed hash for dicts of attacker-chosen topics: MicroPython's string
+# hash is 16 bits and unkeyed, so a flood of colliding topics would make
+# every lookup a long probe. 30 bits of SHA-256 over a per-store random key.
+try:
+    from hashlib import sha256 as _sha256
+except ImportError:  # a build without hashlib: unkeyed
+    _sha256 = None
+
+
+def _new_key():
+    try:
+        return os.urandom(8)
+    except (AttributeError, OSError, NotImplementedError):
+        return b"%d" % _ticks_ms()
+
+
+def _topic_key(key, topic):
+    if _sha256 is None:
+        return hash(topic) & 0x3FFFFFFF
+    h = _sha256(key)
+    h.update(topic.encode())
+    d = h.digest()
+    return (d[0] & 0x3F) << 24 | d[1] << 16 | d[2] << 8 | d[3]
+
+
 # MicroPython's decoder accepts UTF-16 surrogates and overlong forms that
 # MQTT-1.5.4-1 forbids; an extra byte check runs only where it is lax.
 try:
@@ -941,30 +966,43 @@ class RamStore:
             nb *= 2
         self.nb = nb
         self.index = None   # made at the first put: an idle broker pays nothing
+        self.key = None     # the keyed hash's key, drawn at the first put
         self.parts = None   # [chunks, first free slot or -1] per partition
         self.count = 0
         self.nbytes = 0
         self._sweep = None
 
+    def _msg(self, loc):
+        i = loc // _PARTS
+        return self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31][i & 31]
+
+    def _lookup(self, topic):
+        # (bucket dict or None, keyed hash, location or None). A bucket maps
+        # the keyed hash to a location, or to a list of them in the rare
+        # (random, not choosable) case of two topics on one value.
+        k = _topic_key(self.key, topic)
+        d = self.index[k % self.nb]
+        v = None if d is None else d.get(k)
+        if v is not None:
+            for loc in (v if type(v) is list else (v,)):
+                if self._msg(loc)[_M_TOPIC] == topic:
+                    return d, k, loc
+        return d, k, None
+
     def get(self, topic):
         if self.index is None:
             return None
-        d = self.index[hash(topic) % self.nb]
-        loc = None if d is None else d.get(topic)
-        if loc is None:
-            return None
-        i = loc // _PARTS
-        return self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31][i & 31]
+        loc = self._lookup(topic)[2]
+        return None if loc is None else self._msg(loc)
 
     def put(self, topic, msg):
         if self.index is None:
             self.index = [None] * self.nb
             self.parts = [None] * _PARTS
-        h = hash(topic) % self.nb
-        d = self.index[h]
+            self.key = _new_key()
+        d, k, loc = self._lookup(topic)
         if d is None:
-            d = self.index[h] = {}
-        loc = d.get(topic)
+            d = self.index[k % self.nb] = {}
         if loc is not None:
             i = loc // _PARTS
             ch = self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31]
@@ -991,17 +1029,30 @@ class RamStore:
             ch = page[-1]
             i = (len(pages) - 1) * 1024 + (len(page) - 1) * 32 + len(ch)
             ch.append(msg)
-        d[topic] = i * _PARTS + pn
+        loc = i * _PARTS + pn
+        v = d.get(k)
+        if v is None:
+            d[k] = loc
+        elif type(v) is list:
+            v.append(loc)
+        else:
+            d[k] = [v, loc]
         self.count += 1
         self.nbytes += msg_size(msg)
 
     def delete(self, topic):
         if self.index is None:
             return False
-        d = self.index[hash(topic) % self.nb]
-        loc = None if d is None else d.pop(topic, None)
+        d, k, loc = self._lookup(topic)
         if loc is None:
             return False
+        v = d[k]
+        if type(v) is list:
+            v.remove(loc)
+            if len(v) == 1:
+                d[k] = v[0]
+        else:
+            del d[k]
         p = self.parts[loc % _PARTS]
         i = loc // _PARTS
         ch = p[0][i >> 10][i >> 5 & 31]
