@@ -22,10 +22,10 @@
 # ---------------------------------------------------------------- 1. compat
 import gc
 import os
-import sys
-import time
 import select
 import socket
+import sys
+import time
 
 try:
     from micropython import const
@@ -34,7 +34,8 @@ except ImportError:  # CPython
         return x
 
 try:  # MicroPython: a wrapping millisecond tick
-    from time import ticks_ms as _ticks_ms, ticks_diff as _ticks_diff
+    from time import ticks_diff as _ticks_diff
+    from time import ticks_ms as _ticks_ms
 except ImportError:  # CPython
     def _ticks_ms():
         return int(time.monotonic() * 1000)
@@ -380,7 +381,9 @@ _T_PAIR = const(7)
 
 # Wire type of each property id (index = id, 0 = no such property): a
 # 43-byte table instead of a dict, which costs more heap.
-_PROP_TYPES = b'\x00\x01\x03\x05\x00\x00\x00\x00\x05\x06\x00\x04\x00\x00\x00\x00\x00\x03\x05\x02\x00\x05\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01'
+_PROP_TYPES = (b'\x00\x01\x03\x05\x00\x00\x00\x00\x05\x06\x00\x04\x00\x00\x00\x00'
+               b'\x00\x03\x05\x02\x00\x05'
+               b'\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01')
 # Properties a PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
@@ -570,7 +573,7 @@ def check_utf8(raw):
     try:
         s = str(raw, "utf-8")
     except UnicodeError:
-        raise MqttError(_RC_MALFORMED, "invalid UTF-8")
+        raise MqttError(_RC_MALFORMED, "invalid UTF-8") from None
     if "\x00" in s:
         raise MqttError(_RC_MALFORMED, "U+0000 in a string")
     if _LAX_UTF8 and len(s) != len(raw):
@@ -672,7 +675,8 @@ def encode_props(d):
         v = d[k]
         if k == "message_expiry_interval":
             if not isinstance(v, int) or not 0 <= v <= 0xFFFFFFFF:
-                raise ValueError("properties: message_expiry_interval %r (allowed 0..4294967295)" % (v,))
+                raise ValueError("properties: message_expiry_interval %r (allowed 0..4294967295)"
+                                 % (v,))
             exp = v
         elif k == "user_properties":
             for pair in v:
@@ -950,7 +954,8 @@ class RamStore:
     here grows as one piece. The index is a power of two of small dicts, about 16 topics each at the
     expected capacity (max_retained_messages) (topic -> location);
     messages sit in 32 partitions of pages of 32 chunks of 32 slots. So no
-    allocation grows past 32 pointers or a small dict, however many messages. A deleted slot holds the
+    allocation grows past 32 pointers or a small dict, however many messages.
+    A deleted slot holds the
     number of the next free slot (a free list threaded through the holes, no
     list of its own), and an iterator walks slots by number, so puts and
     deletes during a long delivery never invalidate it and nothing is copied.
@@ -1309,7 +1314,8 @@ class Engine:
         self.max_pre = max(2, c["max_clients"] // 2)
         # A CONNECT is small: its client id, will and credentials. Bytes
         # before CONNECT is accepted are bounded far below max_packet_size.
-        self.max_pre_bytes = min(self.max_packet, 1024 + c["max_topic_length"] + c["max_payload_size"])
+        self.max_pre_bytes = min(self.max_packet,
+                                 1024 + c["max_topic_length"] + c["max_payload_size"])
 
     def start(self, now):
         """The engine starts serving at broker second `now`."""
@@ -1676,7 +1682,8 @@ class Engine:
             self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
         else:
             self.write(conn, bytes((0x20, 2, 1 if present else 0, 0)))
-        self.log("info", "client %s connected from %s (MQTT %s, user %s, clean %d, keep alive %d)%s",
+        self.log("info",
+                 "client %s connected from %s (MQTT %s, user %s, clean %d, keep alive %d)%s",
                  cid, conn.peer, "5.0" if v5 else "3.1.1", user or "-", 1 if clean else 0, ka,
                  ", session present" if present else "")
         # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL. An
@@ -1689,7 +1696,8 @@ class Engine:
                 if ent[_F_REL]:
                     self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
                     keep.append(ent)
-                elif self.encode_publish(conn, ent[_F_MSG], ent[_F_QOS], ent[_F_RETAIN], ent[_F_PID], ent[_F_SIDS], True):
+                elif self.encode_publish(conn, ent[_F_MSG], ent[_F_QOS], ent[_F_RETAIN],
+                                         ent[_F_PID], ent[_F_SIDS], True):
                     keep.append(ent)
             sess.inflight = keep
         self.pump(sess)
@@ -1947,7 +1955,8 @@ class Engine:
         if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg
-            msg = (m[_M_TOPIC], m[_M_TB], m[_M_PAYLOAD], m[_M_QOS], m[_M_PROPS], self.now_s + cfg["expiry_interval"], 0)
+            msg = (m[_M_TOPIC], m[_M_TB], m[_M_PAYLOAD], m[_M_QOS], m[_M_PROPS],
+                   self.now_s + cfg["expiry_interval"], 0)
         if old is None and _mem_free is not None:
             # The heap reserve is for connections. gc.mem_free() walks the
             # whole allocation table (about 1 ms on a 16 MB heap), so it is
@@ -2202,7 +2211,8 @@ class Engine:
                 if opts >> 4 & 3 == 3:
                     raise MqttError(_RC_PROTOCOL, "Retain Handling 3")
             elif opts & 0xFC:
-                raise MqttError(_RC_MALFORMED, "reserved subscription option bits")  # 3.1.1 MQTT-3.8.3-4
+                # 3.1.1 MQTT-3.8.3-4
+                raise MqttError(_RC_MALFORMED, "reserved subscription option bits")
             if opts & 3 == 3:
                 # 5.0 3.8.3.1: Maximum QoS 3 is a Protocol Error
                 raise MqttError(_RC_PROTOCOL if v5 else _RC_MALFORMED, "QoS 3 in SUBSCRIBE")

@@ -169,8 +169,9 @@ from array import array
 from struct import pack, pack_into, unpack_from
 
 try:
-    from micropython import const
     from gc import collect as _collect  # a calm heap while the index grows
+
+    from micropython import const
 except ImportError:  # CPython
     def const(x):
         return x
@@ -771,7 +772,8 @@ class FlashStore:
             if len(r) != blen + 9 or unpack_from(">I", r, 1)[0] != blen:
                 return None
             rest = memoryview(r)[5:]
-            if _crc32(rest[:blen], _crc32(memoryview(r)[:5])) & _U32 != unpack_from(">I", rest, blen)[0]:
+            crc = _crc32(rest[:blen], _crc32(memoryview(r)[:5])) & _U32
+            if crc != unpack_from(">I", rest, blen)[0]:
                 return None
             return r[:5], rest
         if off >= self._fend:  # in the write buffer: written by this run
@@ -1485,7 +1487,7 @@ class FlashStore:
         self._wall0 = self._wall()
         self._t0 = 0
         self._tmark = 0
-        st = self.open_stats = {
+        self.open_stats = {
             "records": 0, "live": 0, "dead_bytes": 0, "torn_bytes": 0, "corrupt": 0,
             "skipped_unknown": 0, "expired": 0, "moved_aside": False, "created": False,
         }
