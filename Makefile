@@ -17,7 +17,7 @@ run: venv  ## broker in the foreground: make run [BOARD=esp32|path/to/profile.js
 test: venv  ## host tests, both interpreters and both servers, 4 workers by file (fails on "no tests collected" too)
 	$(VENV)/bin/pytest -p no:cacheprovider -n 4 --dist loadfile host_tests
 
-bench: venv  ## benchmarks (all scenarios, the flash-store ones included; under ~8 minutes)
+bench: venv  ## benchmarks: poll and asyncio servers on both interpreters vs mosquitto, all scenarios incl. the flash store (~6 minutes)
 	$(VENV)/bin/python -m edgebroker_tools.bench
 
 bench-store: venv  ## flash-store benchmarks only: write amplification, open time, heap per message, 20,000 retained to Receive Maximum 10

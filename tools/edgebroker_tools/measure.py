@@ -7,9 +7,10 @@ Writes boards/memory_costs.json, which `edgebroker config check` reads for
 its worst-case heap sum (edgebroker_tools.profiles.heap_breakdown).
 
 How: a small MicroPython harness (HARNESS below) imports the .mpy build of
-lib/edgebroker.py (runner.compile_mpy), subclasses Broker so that a PUBLISH
-to the topic `probe/mem` runs gc.collect() and prints gc.mem_alloc() on
-stdout, and serves on a loopback port. This process drives it with real
+lib/edgebroker.py (runner.compile_mpy), starts it with the public API
+(edgebroker.start(), then serve()) and subscribes locally
+(broker.subscribe) to the topic `probe/mem`: a PUBLISH there runs
+gc.collect() and prints gc.mem_alloc() on stdout. This process drives it with real
 sockets (edgebroker_tools.mqttclient): it opens connections, subscribes,
 queues and retains messages, waits until the broker has acknowledged all of
 it (CONNACK, SUBACK, PUBACK, every PUBLISH received), then sends the probe
@@ -65,9 +66,11 @@ RETAINED_TOPIC: Final = "r/sensor-{:05d}/state"  # 20 bytes
 PAYLOAD: Final = 64
 
 #: The MicroPython harness. PARAMS is replaced by a JSON object literal. It
-#: starts the broker the way the host entry point (and the emulator) does,
-#: edgebroker.main() with a full profile file, with Broker replaced by a
-#: subclass that adds the measuring points.
+#: starts the broker through the public API, edgebroker.start() with a full
+#: profile (the flash store opened as storage_type says), and adds the
+#: measuring points as a local subscription: a PUBLISH to `probe/mem` calls
+#: back here, from the broker's loop, which collects and prints the heap.
+#: Nothing of the broker is replaced or patched.
 HARNESS: Final = r"""
 import gc
 import sys
@@ -79,49 +82,48 @@ def point(label):
     gc.collect()
     gc.collect()
     print("point %s %d %d" % (label, gc.mem_alloc(), gc.mem_free()))
+    flush()
+
+
+def flush():
+    try:
+        sys.stdout.flush()
+    except AttributeError:
+        pass
 
 
 point("boot")
 sys.path.insert(0, P["mpy_dir"])
 import edgebroker
 point("imported")
-edgestore = None
 if P["store"] != "ram":
     import edgestore
 point("imported_store")
+f = open(P["profile_path"])
+profile = json.load(f)
+f.close()
+broker = edgebroker.start(profile, "127.0.0.1", P["port"], P["data_dir"])
+profile = None
+f = None
+point("started")
 
 
-_Base = edgebroker.Broker
+def probe(topic, payload, retained, properties):
+    # a measuring point, not a message: it is not stored or forwarded
+    label = payload.decode()
+    if label == "sys":
+        broker.engine.publish_sys()
+    point(label)
 
 
-class Probe(_Base):
-    def __init__(self, cfg, store=None, clock=None, log=None):
-        _Base.__init__(self, cfg, store, clock, log)
-        if store is None and edgestore is not None and cfg["storage_type"] != "ram":
-            # a broker whose main() does not open the flash store itself
-            self.store = edgestore.FlashStore(
-                P["data_dir"] + "/retained.ebrs", cfg["storage_type"],
-                cfg["max_retained_messages"], clock=self.now)
-
-    def listen(self, host, port):
-        _Base.listen(self, host, port)
-        point("started")
-
-    # A PUBLISH to probe/mem is a measuring point, not a message: nothing
-    # else of the broker changes.
-    def publish(self, msg, retain, origin):
-        if msg[0] == "probe/mem":
-            label = msg[2].decode()
-            if label == "sys":
-                self.publish_sys()
-            point(label)
-            return False
-        return _Base.publish(self, msg, retain, origin)
-
-
-edgebroker.Broker = Probe
-edgebroker.main(["edgebroker.py", "--board", P["profile_path"], "--port", str(P["port"]),
-                 "--bind", "127.0.0.1", "--data-dir", P["data_dir"]])
+broker.subscribe("probe/mem", probe)
+print("edgebroker listening on 127.0.0.1:%d" % P["port"])
+flush()
+try:
+    broker.serve()
+except KeyboardInterrupt:
+    pass
+broker.shutdown()
 """
 
 #: Imports one module list from a directory and prints the cost of each.

@@ -1,10 +1,16 @@
-"""A small blocking MQTT 3.1.1 client for the host tools (measure, emulate).
+"""A small blocking MQTT 3.1.1 client for the host tools (measure, emulate, bench, fleet).
 
 Only what the tools need: CONNECT (clean or persistent session), SUBSCRIBE,
 PUBLISH at QoS 0/1 (pipelined: send many, then collect the PUBACKs), reading
 PUBLISHes with or without acknowledging them, DISCONNECT. MQTT 3.1.1 is
 enough here: a persistent session is CleanSession=0 (the broker clamps its
 lifetime to max_session_expiry), and no tool needs 5.0 properties.
+
+The benchmark's load generator drives its hot loops on the raw sockets with
+packets pre-encoded here; for that there are also a stream splitter
+(split_packets, publish_fields), a CONNECT with a given packet
+(Client.connect_with: MQTT 5.0 with connect_v5_packet) and the 5.0
+SUBSCRIBE it needs.
 
 Errors are MqttError (a timeout, a closed connection, a refusal).
 """
@@ -95,6 +101,78 @@ def puback_packet(pid: int) -> bytes:
     return struct.pack("!BBH", 0x40, 2, pid)
 
 
+def connect_v5_packet(
+    client_id: str, clean: bool = True, keepalive: int = 0, receive_maximum: int | None = None
+) -> bytes:
+    """CONNECT, protocol level 5, no will, no credentials; a Receive Maximum
+    property (3.1.2.11.3) if given."""
+    props = b"" if receive_maximum is None else b"\x21" + struct.pack("!H", receive_maximum)
+    body = mqtt_str("MQTT") + bytes((5, 0x02 if clean else 0x00)) + struct.pack("!H", keepalive)
+    body += varint(len(props)) + props + mqtt_str(client_id)
+    return b"\x10" + varint(len(body)) + body
+
+
+def subscribe_v5_packet(pid: int, filters: Sequence[tuple[str, int]]) -> bytes:
+    """5.0 SUBSCRIBE (no properties) with one (filter, options byte) per entry."""
+    body = struct.pack("!H", pid) + b"\x00"
+    for topic, options in filters:
+        body += mqtt_str(topic) + bytes((options,))
+    return b"\x82" + varint(len(body)) + body
+
+
+def split_packets(
+    buf: bytes | bytearray, limit: int = 1 << 30
+) -> tuple[list[tuple[int, int, int]], int]:
+    """The complete packets at the front of buf, at most `limit`:
+    ([(first byte, body start, body end)], bytes used). MqttError on a
+    malformed Remaining Length."""
+    out: list[tuple[int, int, int]] = []
+    pos = 0
+    end = len(buf)
+    while end - pos >= 2 and len(out) < limit:
+        length = 0
+        shift = 0
+        i = pos + 1
+        complete = False
+        for _ in range(4):
+            if i >= end:
+                break
+            byte = buf[i]
+            i += 1
+            length |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                complete = True
+                break
+        else:
+            raise MqttError("malformed remaining length from the broker")
+        if not complete or i + length > end:
+            break
+        out.append((buf[pos], i, i + length))
+        pos = i + length
+    return out, pos
+
+
+def publish_fields(
+    buf: bytes | bytearray, first: int, start: int, end: int
+) -> tuple[bytes, int, int]:
+    """(topic, packet id or 0, payload start) of the 3.1.1 PUBLISH body at buf[start:end]."""
+    if end - start < 2:
+        raise MqttError("malformed PUBLISH from the broker")
+    tlen = buf[start] << 8 | buf[start + 1]
+    topic = bytes(buf[start + 2 : start + 2 + tlen])
+    pos = start + 2 + tlen
+    pid = 0
+    if first & 0x06:
+        if pos + 2 > end:
+            raise MqttError("malformed PUBLISH from the broker")
+        pid = buf[pos] << 8 | buf[pos + 1]
+        pos += 2
+    if pos > end:
+        raise MqttError("malformed PUBLISH from the broker")
+    return topic, pid, pos
+
+
 class Client:
     """One MQTT 3.1.1 connection over a blocking socket with timeouts."""
 
@@ -113,13 +191,18 @@ class Client:
 
         A refused connection is closed by the broker; the socket is closed here too.
         """
+        return self.connect_with(connect_packet(self.client_id, clean, keepalive), timeout)
+
+    def connect_with(self, packet: bytes, timeout: float = 10.0) -> int:
+        """TCP connect + the CONNECT packet given (3.1.1 or 5.0); returns the
+        CONNACK return / reason code (0 = accepted; the socket is closed otherwise)."""
         try:
             sock = socket.create_connection((self.host, self.port), timeout=timeout)
         except OSError as exc:
             raise MqttError(f"{self.client_id}: TCP connect to port {self.port}: {exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
-        self.send(connect_packet(self.client_id, clean, keepalive))
+        self.send(packet)
         first, body = self.read_packet(timeout)
         if first >> 4 != CONNACK or len(body) < 2:
             self.close()
