@@ -44,7 +44,7 @@ def test_cli_run_serves_and_stops_cleanly(interp, tmp_path, sig):
                          text=True)
     try:
         line = p.stdout.readline()
-        assert line.strip() == "edgebroker listening on 127.0.0.1:%d (%s)" % (port, interp), line
+        assert line.strip() == "edgebroker listening on 127.0.0.1:%d (%s, poll server)" % (port, interp), line
         mosquitto_pub(port, ["-t", "cli/t", "-m", "hello", "-r", "-q", "1"])
         out = mosquitto_sub(port, ["-t", "cli/#", "-v"], count=1, timeout=5)
         assert out == ["cli/t hello"]
