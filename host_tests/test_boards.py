@@ -141,7 +141,7 @@ BROKEN = [
      "store_budget_bytes = 1048576", "must be <= fs_bytes 2097152"),
     ("store_unbounded", {"store_budget_bytes": 0}, "store_budget_bytes",
      "store_budget_bytes = 0", "must be > 0"),
-    ("heap_over", {"max_subscriptions": 16}, "heap_bytes", "heap_bytes = 110000",
+    ("heap_over", {"max_subscriptions": 48}, "heap_bytes", "heap_bytes = 110000",
      "the worst-case heap is"),
     ("code_over", {"code_budget_bytes": 32768}, "code_budget_bytes",
      "code_budget_bytes = 32768", "must be >="),

@@ -379,9 +379,10 @@ The worst case the broker can reach with the profile's counts, with live
 messages sized by typical_topic_bytes and typical_payload_bytes (the
 broker bounds how many messages it holds, not their size). Every cost is
 measured (boards/memory_costs.json, `make measure-memory`) on the 64-bit
-MicroPython unix port and used as it is: on a 32-bit board objects are
-smaller, so the sum is conservative there, and `edgebroker emulate`, which
-runs that same interpreter with exactly heap_bytes, tests it.
+MicroPython unix port; for a board with word_bytes 4 every heap cost is
+scaled by 278.9/429.8 (x0.649, the object-size ratio measured on four
+32-bit builds; file sizes are not scaled). `edgebroker emulate` runs the
+64-bit port with heap_bytes scaled the other way (x1.54) and tests it.
 
     message   = message_overhead + typical_payload_bytes + 2 x typical_topic_bytes
                 (a queued or inflight QoS 1/2 message: the queue entry, the message
@@ -437,6 +438,32 @@ def _cost(costs: Mapping[str, Any], *path: str) -> int:
     if not isinstance(node, int):
         raise ProfileError(f"memory cost {'.'.join(path)} is not an integer")
     return node
+
+
+#: Bytes a 32-bit MicroPython uses for what the 64-bit unix port uses one
+#: byte for: 278.9 B against 429.8 B per object, the same on four 32-bit
+#: builds (unix port, Cortex-M qemu, ESP32 v1.16, the npm WebAssembly port).
+WORD4_PER_WORD8: Final = 278.9 / 429.8
+#: Cost entries that are file sizes, not heap: never scaled.
+_FILE_SIZES: Final = ("mpy_file_bytes", "image_bytes")
+
+
+def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The costs as a board with cfg's word_bytes pays them: the 64-bit
+    figures as measured for 8, scaled by WORD4_PER_WORD8 for 4."""
+    if int(cfg.get("word_bytes", 4)) == 8:
+        return costs
+
+    def scale(node: Any, key: str) -> Any:
+        if isinstance(node, dict):
+            return {k: (v if k in _FILE_SIZES else scale(v, k)) for k, v in node.items()}
+        if isinstance(node, int) and not isinstance(node, bool):
+            return round(node * WORD4_PER_WORD8)
+        return node
+
+    out = dict(costs)
+    out["costs"] = scale(costs["costs"], "costs")
+    return out
 
 
 def modules_for(cfg: Mapping[str, Any]) -> list[str]:
@@ -584,6 +611,8 @@ def check_profile(
     cfg = effective(profile, schema)
     board = name or str(cfg.get("board"))
     report = Report(board, cfg)
+    if costs is not None and cfg.get("word_bytes") in (4, 8):
+        costs = for_word_size(costs, cfg)
     report.issues += validate(profile, schema)
     # the cross checks run on well-typed values: a check is skipped when a key
     # it reads failed the schema (unknown keys do not matter to them)
