@@ -151,7 +151,7 @@ def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path
         files = [label.split()[1] for _pct, label in bars
                  if label.startswith(("copy ", "same "))]
         assert sorted(files) == sorted(["lib/edgebroker.mpy", "lib/edgestore.mpy",
-                                        "lib/gateway.mpy", "boot.py", "main.py", "board.json",
+                                        "lib/gateway.mpy", "lib/userapp.mpy", "boot.py", "main.py", "board.json",
                                         "secrets.json"]), bars
         pcts = [pct for pct, _label in bars]
         assert pcts == sorted(set(pcts)) and pcts[-1] == 100 and pcts[-2] < 100, bars
