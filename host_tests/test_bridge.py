@@ -1,0 +1,498 @@
+"""The bridge to an upstream broker (lib/edgebridge.py, issue 10), against a
+real upstream: Debian's mosquitto on a free loopback port with persistence
+in tmp_path. The gateway is edgebroker with `bridges` in its profile, under
+both interpreters.
+
+The bridge's link is an asyncio task, so these tests run the gateway with
+the asyncio server only: `interp` is parametrised here with the async ids
+(cpython-async, micropython-async), which overrides conftest's
+interp x server parametrisation for this module (the poll server refuses a
+profile with bridges: test_poll_server_refuses_bridges).
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mqtt_helpers import free_port, wait_for
+
+MOSQUITTO = "/usr/sbin/mosquitto"
+REPO = Path(__file__).resolve().parents[1]
+
+ASYNC = pytest.mark.parametrize("interp", ["cpython-async", "micropython-async"], indirect=True)
+
+
+# ----------------------------------------------------------------- upstream
+class Upstream:
+    """mosquitto on a fixed loopback port, persistence in its own dir;
+    stop() and start() again keep the port and the persisted sessions."""
+
+    def __init__(self, tmp_path, extra=""):
+        self.port = free_port()
+        self.dir = tmp_path / ("upstream-%d" % self.port)
+        self.dir.mkdir()
+        self.conf = self.dir / "mosquitto.conf"
+        self.conf.write_text(
+            "listener %d 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "persistence true\n"
+            "persistence_location %s/\n"
+            "max_queued_messages 0\n"
+            "max_keepalive 65535\n"
+            "log_dest stderr\n"
+            "log_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
+            "%s" % (self.port, self.dir, extra))
+        self.proc = None
+        self.runs = 0
+
+    def start(self):
+        self.runs += 1
+        log = open(self.dir / ("log-%d.txt" % self.runs), "wb")
+        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("mosquitto did not start")
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: mosquitto saves its database
+            self.proc.wait(10)
+        self.proc = None
+
+    def log(self):
+        return "".join(p.read_text(errors="replace") for p in sorted(self.dir.glob("log-*.txt")))
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    made = []
+
+    def make(extra=""):
+        u = Upstream(tmp_path, extra)
+        made.append(u)
+        return u.start()
+
+    yield make
+    for u in made:
+        u.stop()
+
+
+class Collector:
+    """A paho client on the upstream with a persistent session subscribed
+    to '#' at QoS 1: it reconnects by itself across upstream restarts and
+    the upstream keeps what arrives meanwhile."""
+
+    def __init__(self, port, topic="#", qos=1, client_id="collector"):
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self.msgs = []
+        self.lock = threading.Lock()
+        self.topic = topic
+        self.qos = qos
+        c = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+                        client_id=client_id, protocol=mqtt.MQTTv5)
+        c.reconnect_delay_set(0.1, 0.5)
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 3600
+        self.ready = threading.Event()
+        c.on_connect = self._on_connect
+        c.on_message = self._on_message
+        c.on_subscribe = lambda *a: self.ready.set()
+        # a clean session once, then the same one across upstream restarts
+        c.connect("127.0.0.1", port, keepalive=30, clean_start=mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+                  properties=props)
+        self.c = c
+        c.loop_start()
+        assert self.ready.wait(5), "collector did not subscribe"
+
+    def _on_connect(self, client, userdata, flags, rc, properties=None):
+        client.subscribe(self.topic, self.qos)
+
+    def _on_message(self, client, userdata, msg):
+        with self.lock:
+            self.msgs.append((msg.topic, msg.payload, msg.retain, msg.qos))
+
+    def get(self):
+        with self.lock:
+            return list(self.msgs)
+
+    def close(self):
+        self.c.loop_stop()
+        try:
+            self.c.disconnect()
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def collector():
+    made = []
+
+    def make(port, **kw):
+        c = Collector(port, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+# -------------------------------------------------------------- the proxy
+class Proxy:
+    """A loopback TCP proxy between the gateway and the upstream that the
+    test controls: freeze() stops forwarding without closing (a silent
+    link); it parses the gateway's MQTT stream to count the QoS 1/2
+    PUBLISHes in flight (sent, not yet PUBACK/PUBCOMP'd) and keeps the
+    largest count seen."""
+
+    def __init__(self, target_port):
+        self.target = target_port
+        self.ls = socket.socket()
+        self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(4)
+        self.port = self.ls.getsockname()[1]
+        self.frozen = False
+        self.stopped = False
+        self.pairs = []
+        self.inflight = set()
+        self.max_inflight = 0
+        self.connections = 0
+        self.lock = threading.Lock()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def freeze(self):
+        self.frozen = True
+
+    def thaw(self):
+        self.frozen = False
+
+    def close(self):
+        self.stopped = True
+        self.t.join(3)
+        self.ls.close()
+        for a, b, _, _ in self.pairs:
+            a.close()
+            b.close()
+
+    def _parse(self, buf, upward):
+        # complete packets only; returns the bytes left
+        while len(buf) >= 2:
+            n = 0
+            sh = 0
+            j = 1
+            while True:
+                if j >= len(buf):
+                    return buf
+                d = buf[j]
+                j += 1
+                n |= (d & 0x7F) << sh
+                if not d & 0x80:
+                    break
+                sh += 7
+            if j + n > len(buf):
+                return buf
+            t = buf[0] >> 4
+            body = buf[j:j + n]
+            with self.lock:
+                if upward and t == 3 and buf[0] >> 1 & 3:
+                    tl = body[0] << 8 | body[1]
+                    self.inflight.add(body[2 + tl] << 8 | body[3 + tl])
+                    self.max_inflight = max(self.max_inflight, len(self.inflight))
+                elif not upward and t in (4, 7):
+                    self.inflight.discard(body[0] << 8 | body[1])
+                elif upward and t == 1:
+                    self.inflight.clear()  # a new connection
+            buf = buf[j + n:]
+        return buf
+
+    def _run(self):
+        while not self.stopped:
+            socks = [self.ls] + [p[0] for p in self.pairs] + [p[1] for p in self.pairs]
+            r, _, _ = select.select(socks, [], [], 0.05)
+            for s in r:
+                if s is self.ls:
+                    a, _ = self.ls.accept()
+                    try:
+                        b = socket.create_connection(("127.0.0.1", self.target))
+                    except OSError:
+                        a.close()
+                        continue
+                    self.connections += 1
+                    self.pairs.append((a, b, bytearray(), bytearray()))
+                    continue
+                if self.frozen:
+                    continue
+                for p in list(self.pairs):
+                    a, b, ua, db = p
+                    if s is a or s is b:
+                        try:
+                            data = s.recv(65536)
+                        except OSError:
+                            data = b""
+                        if not data:
+                            a.close()
+                            b.close()
+                            self.pairs.remove(p)
+                            break
+                        (b if s is a else a).sendall(data)
+                        if s is a:
+                            ua += data
+                            ua[:] = self._parse(ua, True)
+                        else:
+                            db += data
+                            db[:] = self._parse(db, False)
+            if self.frozen:
+                time.sleep(0.05)
+
+
+@pytest.fixture
+def proxy():
+    made = []
+
+    def make(port):
+        p = Proxy(port)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+# -------------------------------------------------------------- the gateway
+def bridge(port, topics, **kw):
+    b = {"name": "cloud", "host": "127.0.0.1", "port": port, "keepalive": 10,
+         "retry_min": 1, "retry_max": 2, "attempts_per_minute": 60, "topics": topics}
+    b.update(kw)
+    return b
+
+
+OUT = [{"pattern": "sensors/#", "direction": "out", "qos": 1, "remote_prefix": "site1/gw1/"}]
+
+
+def gateway(broker_factory, bridges, **kw):
+    prof = {"storage_type": "disc_only", "max_inflight": 64, "max_queued": 4096,
+            "bridges": bridges}
+    prof.update(kw)
+    return broker_factory(**prof)
+
+
+def publish_many(port, msgs, qos=1, client_id="pub", window=64, timeout=60):
+    """Publishes (topic, payload) pairs through paho with `window` in flight
+    and returns once every one is acknowledged by the gateway."""
+    import paho.mqtt.client as mqtt
+
+    c = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+                    protocol=mqtt.MQTTv5)
+    c.max_inflight_messages_set(window)
+    c.max_queued_messages_set(0)
+    c.connect("127.0.0.1", port, keepalive=60)
+    c.loop_start()
+    try:
+        infos = [c.publish(t, p, qos) for t, p in msgs]
+        deadline = time.monotonic() + timeout
+        for i in infos:
+            i.wait_for_publish(max(0.1, deadline - time.monotonic()))
+            assert i.is_published(), "not acknowledged locally"
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+def wait_connected(gw, n=1, timeout=15):
+    ok = gw.wait_log(lambda t: t.count("bridge cloud: connected") >= n, timeout)
+    assert ok, gw.log_text()[-3000:]
+
+
+def check_all_in_order(got, sent):
+    """Every sent (topic, payload) arrived (at least once) and, per topic,
+    the first arrivals are in publish order."""
+    first = {}
+    for i, (t, p) in enumerate((t, p) for t, p, *_ in got):
+        first.setdefault((t, p), i)
+    missing = [m for m in sent if m not in first]
+    assert not missing, "%d of %d lost, first: %r" % (len(missing), len(sent), missing[:3])
+    last = {}
+    for t, p in sent:
+        i = first[(t, p)]
+        assert i > last.get(t, -1), "order broken on %s at %r" % (t, p)
+        last[t] = i
+
+
+# ------------------------------------------------------------------- tests
+@ASYNC
+def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collector):
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    col = collector(up.port)
+    rules = OUT + [
+        {"pattern": "cmd/#", "direction": "in", "qos": 1, "remote_prefix": "site1/gw1/",
+         "local_prefix": "local/"},
+        {"pattern": "echo/#", "direction": "both", "qos": 1, "remote_prefix": "site1/gw1/"},
+        {"pattern": "fast/#", "direction": "out", "qos": 0, "remote_prefix": "site1/gw1/"},
+    ]
+    gw = gateway(broker_factory, [bridge(up.port, rules)])
+    wait_connected(gw)
+    local = paho_client(gw.port, "local")
+    local.subscribe_wait("#", qos=1)
+    publish_many(gw.port, [("sensors/t1", b"21.5"), ("other/x", b"not bridged"),
+                           ("echo/a", b"e1"), ("fast/f", b"q0")])
+    assert wait_for(lambda: len(col.get()) >= 4, 10), col.get()
+    got = {(t, p) for t, p, r, q in col.get() if not t.endswith("status")}
+    assert got == {("site1/gw1/sensors/t1", b"21.5"), ("site1/gw1/echo/a", b"e1"),
+                   ("site1/gw1/fast/f", b"q0")}
+    # inbound: upstream -> local with the prefixes swapped
+    cloud = paho_client(up.port, "cloud")
+    cloud.publish_wait("site1/gw1/cmd/reboot", b"now", qos=1)
+    cloud.publish_wait("site1/gw1/echo/b", b"from cloud", qos=1)
+    assert wait_for(lambda: any(m.topic == "local/cmd/reboot" for m in local.get_messages()), 10)
+    assert wait_for(lambda: any(m.topic == "echo/b" for m in local.get_messages()), 10)
+    time.sleep(1.0)
+    # no loops: echo/b came in from upstream and is not sent back; echo/a went
+    # up once and did not come back down (No Local)
+    ups = [(t, p) for t, p, r, q in col.get()]
+    assert ups.count(("site1/gw1/echo/b", b"from cloud")) == 1, ups
+    assert ups.count(("site1/gw1/echo/a", b"e1")) == 1, ups
+    downs = [(m.topic, m.payload) for m in local.get_messages()]
+    assert downs.count(("echo/a", b"e1")) == 1 and downs.count(("echo/b", b"from cloud")) == 1
+    local.close()
+    cloud.close()
+
+
+@ASYNC
+def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, collector):
+    up = upstream()
+    col = collector(up.port)
+    gw = gateway(broker_factory, [bridge(up.port, OUT)])
+    wait_connected(gw)
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
+    sent = [("sensors/s%d" % (i % 7), b"%d" % i) for i in range(2000)]
+    publish_many(gw.port, sent)
+    up.start()
+    wait_connected(gw, 2, timeout=20)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len(col.get()) >= len(want), 40), len(col.get())
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+
+
+@ASYNC
+def test_power_cut_mid_drain_loses_nothing(broker_factory, upstream, collector, proxy):
+    """SIGKILL in the middle of the backlog drain, restart on the same data
+    directory: every locally acknowledged QoS 1 message arrives upstream at
+    least once, per-topic order of first arrivals kept."""
+    up = upstream()
+    col = collector(up.port)
+    px = proxy(up.port)
+    px.freeze()
+    b = bridge(px.port, OUT, replay_rate=400, keepalive=30)
+    gw = gateway(broker_factory, [b])
+    sent = [("sensors/p%d" % (i % 5), b"%d" % i) for i in range(1500)]
+    publish_many(gw.port, sent)
+    px.thaw()
+    assert wait_for(lambda: len(col.get()) >= 200, 20), len(col.get())
+    gw.kill()
+    assert len(col.get()) < len(sent)  # killed mid-drain
+    gw2 = gateway(broker_factory, [b], port=gw.port)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len({(t, p) for t, p, *_ in col.get()}) >= len(want) + 1, 40), \
+        len(col.get())
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    assert gw2.alive()
+
+
+@ASYNC
+def test_receive_maximum_2_is_respected(broker_factory, upstream, collector, proxy):
+    up = upstream("max_inflight_messages 2\n")
+    col = collector(up.port)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT, max_inflight=50)])
+    wait_connected(gw)
+    sent = [("sensors/r", b"%d" % i) for i in range(300)]
+    publish_many(gw.port, sent)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len(col.get()) >= len(want), 30), len(col.get())
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    assert 1 <= px.max_inflight <= 2, px.max_inflight
+    assert px.connections == 1  # the upstream never cut the link (0x93)
+
+
+@ASYNC
+def test_silent_link_is_detected_and_nothing_is_lost(broker_factory, upstream, collector, proxy):
+    up = upstream()
+    col = collector(up.port)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT, keepalive=5)])
+    wait_connected(gw)
+    px.freeze()
+    sent = [("sensors/k", b"%d" % i) for i in range(100)]
+    publish_many(gw.port, sent)
+    assert gw.wait_log("keep alive: nothing", 15), gw.log_text()[-2000:]
+    px.thaw()
+    wait_connected(gw, 2, timeout=20)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len({(t, p) for t, p, *_ in col.get()}) >= len(want) + 1, 20)
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+
+
+@ASYNC
+def test_local_clients_are_not_delayed_while_upstream_is_down(broker_factory, upstream):
+    """A local QoS 1 pair keeps working (every message through, promptly)
+    while the upstream is down and the bridge retries."""
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    gw = gateway(broker_factory, [bridge(up.port, OUT, retry_min=1, retry_max=1)])
+    wait_connected(gw)
+    up.stop()
+    sub = paho_client(gw.port, "sub")
+    sub.subscribe_wait("sensors/#", qos=1)
+    pub = paho_client(gw.port, "pubq")
+    worst = 0.0
+    for i in range(40):
+        t0 = time.monotonic()
+        pub.publish_wait("sensors/l", b"%d" % i, qos=1, timeout=5)
+        assert sub.wait_messages(i + 1, timeout=5)
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    # a bound far above a loopback round trip, far below a connect timeout
+    assert worst < 2.0, worst
+    sub.close()
+    pub.close()
+
+
+@pytest.mark.parametrize("which", ["cpython", "micropython"])
+def test_poll_server_refuses_bridges(tmp_path, which):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"storage_type": "disc_only",
+                                "bridges": [bridge(free_port(), OUT)]}))
+    from conftest import micropython_exe
+
+    exe = [sys.executable] if which == "cpython" else [micropython_exe()]
+    r = subprocess.run(exe + ["lib/edgebroker.py", "--board", str(prof), "--port", str(free_port()),
+                              "--data-dir", str(tmp_path / "d"), "--server", "poll"],
+                       cwd=str(REPO), capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "need the asyncio server" in r.stdout + r.stderr  # MicroPython: traceback on stdout

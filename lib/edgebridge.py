@@ -1,0 +1,1121 @@
+# edgebridge: edgebroker's bridge to an upstream (cloud) broker, with
+# store-and-forward on flash. Loaded by edgebroker.start() only when the
+# profile's `bridges` list is not empty; nothing happens at import.
+#
+# Sections:
+#   1. compat       files, clocks, the few record helpers (own copy: the queue
+#                   file is not the retained store's)
+#   2. config       a bridge item checked, ValueError naming bridges[i].key
+#   3. Queue        the append-only flash log of outbound QoS >= 1 messages
+#   4. Bridge       engine sink (put/commit), topic mapping, the upstream
+#                   MQTT 3.1.1/5.0 client driven by asyncio, status
+#   5. attach()     what edgebroker.start() calls
+#
+# ------------------------------------------------------------------ FORMAT
+# <data_dir>/bridge-<name>.ebrq, big-endian, edgestore's conventions:
+#   header   45 42 52 51 "EBRQ" | 01 version | 00 00 00 reserved
+#   records  type (1) | length (4) | body | crc (4, CRC-32 of type+length+body)
+#     "M" 0x4D message: qos (1) | flags (1: 0x01 retain, 0x02 has expiry) |
+#              expiry (4, seconds left at the write) | wall (4, Unix seconds
+#              of the write, 0 = clock not set) | topic length (2) |
+#              props length (4) | topic (the upstream topic, UTF-8) |
+#              props (5.0 forwarded property bytes) | payload (the rest)
+#     "K" 0x4B cursor: offset (4) of the first message not acknowledged
+#              upstream; every "M" before it was acknowledged (PUBACK, or
+#              PUBCOMP for QoS 2). The last "K" in the file wins.
+#   Any other type is skipped (length-prefixed). Append only.
+#
+# ------------------------------------------------------------ DURABILITY
+# put() appends to a RAM write buffer while the engine routes a PUBLISH;
+# the engine then holds the publisher's PUBACK/PUBREC until commit() has
+# written, flushed and fsynced it (group commit, with the retained store).
+# Only committed records are sent upstream. The cursor moves when the
+# upstream acknowledges; "K" records are written at most every 0.2 s and
+# not fsynced: losing one only means resending (at least once, never lost).
+# A torn tail (power cut mid-write) is ignored at open and the file is
+# rewritten from the cursor before its next write. Compaction streams the
+# records from the cursor into <file>.new, fsyncs, renames it over the file,
+# when the dead prefix passes compact_ratio of the file (and
+# compact_min_bytes): the retained store's rule.
+#
+# ---------------------------------------------------------------- MEMORY
+# RAM holds no message of the backlog: the write buffer (one loop turn of
+# appends), the in-flight window (max_inflight entries of 6 small ints) and,
+# for `latest` rules, a fixed index of latest_topics (hash, offset) pairs.
+import binascii
+import os
+import socket
+from struct import pack, unpack_from
+
+import edgebroker as eb
+
+try:
+    from micropython import const
+except ImportError:  # CPython
+    def const(x):
+        return x
+
+try:
+    import random
+
+    def _jitter(n):
+        return random.getrandbits(16) * n / 65536
+except ImportError:  # a port without random: no jitter beyond the clock
+    def _jitter(n):
+        return 0
+
+# ---------------------------------------------------------------- 1. compat
+_crc32 = binascii.crc32
+_fsync = getattr(os, "fsync", None)       # CPython; MicroPython flush() syncs
+_rename = getattr(os, "replace", os.rename)
+
+MAGIC = b"EBRQ"
+VERSION = 1
+HEADER = b"EBRQ\x01\x00\x00\x00"
+T_MSG = const(0x4D)
+T_CURSOR = const(0x4B)
+F_RETAIN = const(1)
+F_EXP = const(2)
+_HDR = const(8)
+_MHEAD = const(16)     # message body bytes before topic, props, payload
+_U32 = const(0xFFFFFFFF)
+_EINPROGRESS = (115, 36, 119)  # Linux, BSD/macOS, lwIP
+
+
+def record(rt, body):
+    """One record: type, length, body, CRC-32 over all three."""
+    h = pack(">BI", rt, len(body))
+    return h + body + pack(">I", _crc32(body, _crc32(h)) & _U32)
+
+
+def msg_body(qos, flags, exp, wall, topic_b, props, payload):
+    return pack(">BBIIHI", qos, flags, exp, wall, len(topic_b), len(props)) \
+        + topic_b + props + payload
+
+
+def decode_msg(body):
+    """(qos, flags, expiry, wall, topic bytes, props, payload) or None."""
+    n = len(body)
+    if n < _MHEAD:
+        return None
+    qos, flags, exp, wall, tl, pl = unpack_from(">BBIIHI", body, 0)
+    j = _MHEAD + tl
+    if j + pl > n or qos > 2:
+        return None
+    return (qos, flags, exp, wall, bytes(body[_MHEAD:j]), bytes(body[j:j + pl]),
+            bytes(body[j + pl:]))
+
+
+def read_record(f, pos, size):
+    """(type, body, next offset) of the record at pos, ('torn', ...) cases:
+    (None, None, pos) for a torn or unreadable tail, (-1, None, next) for a
+    record whose CRC is bad but whose length leads somewhere plausible."""
+    if size - pos < 9:
+        return None, None, pos
+    f.seek(pos)
+    h = f.read(5)
+    if len(h) != 5:
+        return None, None, pos
+    blen = unpack_from(">I", h, 1)[0]
+    end = pos + 9 + blen
+    if end > size:
+        return None, None, pos
+    rest = f.read(blen + 4)
+    if len(rest) != blen + 4:
+        return None, None, pos
+    body = memoryview(rest)[:blen]
+    if _crc32(body, _crc32(h)) & _U32 != unpack_from(">I", rest, blen)[0]:
+        return -1, None, end
+    return h[0], body, end
+
+
+def _sync(f):
+    f.flush()
+    if _fsync is not None:
+        _fsync(f.fileno())
+
+
+def _size(path):
+    try:
+        return os.stat(path)[6]
+    except OSError:
+        return -1
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- 2. config
+# Every key of a bridge item: default, then (min, max) or allowed words.
+ITEM = {
+    "name": (None, None), "host": (None, None), "port": (1883, (1, 65535)),
+    "client_id": ("", None), "username": ("", None), "password": ("", None),
+    "tls": ({}, None), "keepalive": (60, (5, 65535)), "protocol": (5, (4, 5)),
+    "topics": (None, None), "queue_bytes": (1048576, (4096, 1073741824)),
+    "when_full": ("drop_oldest", ("drop_oldest", "refuse")),
+    "replay_rate": (0, (0, 1000000)), "max_inflight": (16, (1, 65535)),
+    "connect_timeout": (10, (1, 300)), "retry_min": (1, (1, 3600)),
+    "retry_max": (60, (1, 3600)), "attempts_per_minute": (6, (1, 60)),
+    "latest_topics": (256, (1, 65535)), "status": (True, None),
+}
+RULE = {
+    "pattern": (None, None), "direction": ("out", ("out", "in", "both")),
+    "qos": (1, (0, 2)), "local_prefix": ("", None), "remote_prefix": ("", None),
+    "mode": ("queue", ("queue", "latest")),
+}
+TLS_KEYS = ("ca", "cert", "key", "server_hostname")
+
+
+def _fill(where, item, spec):
+    if not isinstance(item, dict):
+        raise ValueError("%s: %r is not an object" % (where, item))
+    out = {}
+    for k in item:
+        if k not in spec:
+            raise ValueError("%s.%s: unknown key" % (where, k))
+    for k in spec:
+        d, allowed = spec[k]
+        v = item.get(k, d)
+        name = "%s.%s" % (where, k)
+        if v is None:
+            raise ValueError("%s: required" % name)
+        if isinstance(d, bool) or k == "status":
+            if not isinstance(v, bool):
+                raise ValueError("%s: %r is not true or false" % (name, v))
+        elif isinstance(d, int) and not isinstance(d, bool):
+            if not isinstance(v, int) or isinstance(v, bool) or not allowed[0] <= v <= allowed[1]:
+                raise ValueError("%s: %r (allowed %s..%s)" % (name, v, allowed[0], allowed[1]))
+        elif isinstance(allowed, tuple) and isinstance(allowed[0], str):
+            if v not in allowed:
+                raise ValueError("%s: %r (allowed %s)" % (name, v, ", ".join(allowed)))
+        elif k in ("tls", "topics"):
+            pass
+        elif not isinstance(v, str):
+            raise ValueError("%s: %r is not a string" % (name, v))
+        out[k] = v
+    return out
+
+
+def check(items, board="edgebroker"):
+    """The bridges list with defaults filled in; a bad value raises
+    ValueError naming bridges[i].key (like every other profile key)."""
+    if not isinstance(items, list):
+        raise ValueError("bridges: %r is not a list" % (items,))
+    out = []
+    names = []
+    for i, item in enumerate(items):
+        w = "bridges[%d]" % i
+        c = _fill(w, item, ITEM)
+        if c["name"] in names or not c["name"] or len(c["name"]) > 32 \
+                or not all(ch.isalpha() or ch.isdigit() or ch in "_-" for ch in c["name"]):
+            raise ValueError("%s.name: %r (a unique name of letters, digits, _ and -)" % (w, c["name"]))
+        names.append(c["name"])
+        if not c["host"]:
+            raise ValueError("%s.host: required" % w)
+        if c["retry_min"] > c["retry_max"]:
+            raise ValueError("%s.retry_min: %r (at most retry_max %r)" % (w, c["retry_min"], c["retry_max"]))
+        tls = c["tls"]
+        if not isinstance(tls, dict):
+            raise ValueError("%s.tls: %r is not an object" % (w, tls))
+        for k in tls:
+            if k not in TLS_KEYS or not isinstance(tls[k], str):
+                raise ValueError("%s.tls.%s: unknown key or not a string" % (w, k))
+        if tls and "ca" not in tls:
+            raise ValueError("%s.tls.ca: required with TLS" % w)
+        rules = c["topics"]
+        if not isinstance(rules, list) or not rules or len(rules) > 32:
+            raise ValueError("%s.topics: %r (a list of 1..32 rules)" % (w, rules))
+        cr = []
+        for j, r in enumerate(rules):
+            rw = "%s.topics[%d]" % (w, j)
+            r = _fill(rw, r, RULE)
+            if not eb.valid_filter(r["local_prefix"] + r["pattern"]) \
+                    or not eb.valid_filter(r["remote_prefix"] + r["pattern"]):
+                raise ValueError("%s.pattern: %r is not a topic filter under its prefixes" % (rw, r["pattern"]))
+            cr.append(r)
+        c["topics"] = cr
+        if not c["client_id"]:
+            c["client_id"] = board
+        out.append(c)
+    return out
+
+
+# ---------------------------------------------------------------- 3. Queue
+class Queue:
+    """The bridge's flash log: appends (put), commit (write + fsync), a
+    cursor that moves on upstream acknowledgements, compaction. Offsets are
+    file offsets; compaction shifts them down by the dead prefix (moved())."""
+
+    def __init__(self, path, budget, drop_oldest, ratio, min_bytes, log):
+        self.path = path
+        self.budget = budget
+        self.drop_oldest = drop_oldest
+        self.ratio = ratio
+        self.min_bytes = min_bytes
+        self._log = log
+        self.f = None
+        self.wb = bytearray()   # appended, not yet written
+        self.fend = _HDR        # written (committed) end
+        self.cursor = _HDR
+        self.count = 0          # messages at or after the cursor
+        self.drops = 0
+        self.corrupt = 0
+        self.kdirty = False     # cursor moved since the last "K" record
+        self.moved = None       # callback(delta) after a compaction
+        self._open()
+
+    @property
+    def end(self):
+        return self.fend + len(self.wb)
+
+    @property
+    def nbytes(self):
+        # the backlog's flash bytes: everything from the cursor on
+        return self.fend + len(self.wb) - self.cursor
+
+    def _open(self):
+        path = self.path
+        new = path + ".new"
+        if _size(path) < 0 and _size(new) >= _HDR:
+            _rename(new, path)  # a compaction cut between remove and rename
+        _remove(new)
+        size = _size(path)
+        if size < _HDR:
+            self._create()
+            return
+        f = open(path, "r+b")
+        head = f.read(_HDR)
+        if head[:4] != MAGIC or head[4] != VERSION:
+            f.close()
+            self._log("error", "bridge queue %s: not a version %d queue file, moved to .bad" % (path, VERSION))
+            _remove(path + ".bad")
+            _rename(path, path + ".bad")
+            self._create()
+            return
+        self.f = f
+        pos = _HDR
+        cur = _HDR
+        torn = False
+        while pos < size:
+            rt, body, nxt = read_record(f, pos, size)
+            if rt is None:
+                torn = True
+                break
+            if rt == -1:
+                self.corrupt += 1
+            elif rt == T_CURSOR and len(body) == 4:
+                cur = unpack_from(">I", body, 0)[0]
+            pos = nxt
+        self.fend = pos
+        if cur > pos:
+            cur = pos
+        self.cursor = cur
+        self._count()
+        if torn:
+            self._log("warning", "bridge queue %s: torn tail at %d ignored" % (path, pos))
+            self.compact()
+
+    def _count(self):
+        n = 0
+        pos = self.cursor
+        f = self.f
+        while pos < self.fend:
+            rt, body, nxt = read_record(f, pos, self.fend)
+            if rt is None:
+                break
+            if rt == T_MSG:
+                n += 1
+            pos = nxt
+        self.count = n
+
+    def _create(self):
+        g = open(self.path, "wb")
+        g.write(HEADER)
+        _sync(g)
+        g.close()
+        self.f = open(self.path, "r+b")
+        self.fend = _HDR
+        self.cursor = _HDR
+
+    # -------------------------------------------------------------- writing
+    def append(self, qos, flags, exp, wall, topic_b, props, payload):
+        """Appends one message; False when the full policy refused it."""
+        rec = record(T_MSG, msg_body(qos, flags, exp, wall, topic_b, props, payload))
+        n = len(rec)
+        if self.nbytes + n > self.budget:
+            if not self.drop_oldest or n > self.budget:
+                self.drops += 1
+                return False
+            while self.count and self.nbytes + n > self.budget:
+                self._drop_first()
+        self.wb.extend(rec)
+        self.count += 1
+        return True
+
+    def _drop_first(self):
+        # when_full drop_oldest: the cursor skips the oldest message (one
+        # in flight is forgotten: its acknowledgement moves nothing)
+        pos = self.cursor
+        while pos < self.end:
+            rt, body, nxt = self.read(pos)
+            if rt is None:
+                break
+            pos = nxt
+            if rt == T_MSG:
+                break
+        self.advance(pos, 1)
+        self.drops += 1
+
+    def read(self, pos):
+        """(type, body, next) of the record at pos, committed or buffered."""
+        if pos >= self.fend:
+            i = pos - self.fend
+            wb = self.wb
+            if len(wb) - i < 9:
+                return None, None, pos
+            blen = unpack_from(">I", wb, i + 1)[0]
+            return wb[i], memoryview(wb)[i + 5:i + 5 + blen], pos + 9 + blen
+        return read_record(self.f, pos, self.fend)
+
+    def advance(self, pos, n):
+        """The upstream acknowledged everything before pos (n messages)."""
+        if pos <= self.cursor:
+            return
+        self.cursor = pos
+        self.count -= n
+        if self.count < 0 or pos >= self.end:
+            self.count = 0
+        self.kdirty = True
+
+    def commit(self, sync=True):
+        """Writes the buffer (and a cursor record when it moved), flushes,
+        fsyncs when sync: OSError on failure (the held acks are not sent)."""
+        if self.kdirty:
+            self.kdirty = False
+            self.wb.extend(record(T_CURSOR, pack(">I", self.cursor)))
+        if not self.wb:
+            return
+        f = self.f
+        f.seek(self.fend)
+        n = len(self.wb)
+        r = f.write(self.wb)
+        if r is not None and r != n:
+            raise OSError(5)
+        if sync:
+            _sync(f)
+        else:
+            f.flush()
+        self.fend += n
+        self.wb = bytearray()
+        dead = self.cursor - _HDR
+        if dead >= self.min_bytes and dead >= self.ratio * self.fend:
+            self.compact()
+
+    def compact(self):
+        """Streams the records from the cursor into <file>.new, then renames
+        it over the file. Offsets move down by cursor - header (moved())."""
+        if self.wb:
+            self.commit()
+        path = self.path
+        new = path + ".new"
+        g = open(new, "wb")
+        g.write(HEADER)
+        f = self.f
+        pos = self.cursor
+        while pos < self.fend:
+            f.seek(pos)
+            chunk = f.read(min(4096, self.fend - pos))
+            if not chunk:
+                break
+            g.write(chunk)
+            pos += len(chunk)
+        _sync(g)
+        g.close()
+        f.close()
+        _rename(new, path)
+        delta = self.cursor - _HDR
+        self.f = open(path, "r+b")
+        self.fend -= delta
+        self.cursor = _HDR
+        self.kdirty = False
+        if self.moved is not None and delta:
+            self.moved(delta)
+        return delta
+
+    def close(self):
+        if self.f is not None:
+            try:
+                self.commit()
+            except OSError:
+                pass
+            self.f.close()
+            self.f = None
+
+
+# ---------------------------------------------------------------- 4. Bridge
+# An in-flight entry (Bridge.inflight, send order), a list read by slot:
+_I_PID = const(0)
+_I_OFF = const(1)    # record offset in the queue file
+_I_END = const(2)    # offset after it
+_I_ACK = const(3)    # 0 sent, 1 acknowledged, 2 PUBREC came (QoS 2: PUBREL sent)
+_I_N = const(4)      # messages it accounts for (itself + skipped ones before it)
+_I_QOS = const(5)
+
+
+class _Down(Exception):
+    """The link ended (closed by the peer, keep alive, protocol)."""
+
+
+class Bridge:
+    """One upstream link. The engine calls put() while routing every
+    PUBLISH and commit() in its group commit; run() is the asyncio task."""
+
+    def __init__(self, broker, c, data_dir):
+        self.broker = broker
+        self.eng = broker.engine
+        self.c = c
+        self.name = c["name"]
+        cfg = broker.cfg
+        self.durable = cfg["storage_type"] in ("disc", "disc_only")
+        self.outr = []     # outbound rules: (local filter levels, rule)
+        self.inr = []      # inbound rules: (remote filter, remote filter levels, rule)
+        for r in c["topics"]:
+            if r["direction"] in ("out", "both"):
+                self.outr.append(((r["local_prefix"] + r["pattern"]).split("/"), r))
+            if r["direction"] in ("in", "both"):
+                f = r["remote_prefix"] + r["pattern"]
+                self.inr.append((f, f.split("/"), r))
+        self.q = Queue(data_dir + "/bridge-" + self.name + ".ebrq", c["queue_bytes"],
+                       c["when_full"] == "drop_oldest", cfg["compact_ratio"],
+                       cfg["compact_min_bytes"], broker.log)
+        self.q.moved = self._moved
+        self.up = False          # CONNACK accepted, link usable
+        self.sock = None
+        self.out = bytearray()   # bytes for upstream not yet sent
+        self.inflight = []
+        self.pids = {}           # packet id -> in-flight entry
+        self.next_pid = 0
+        self.sendpos = self.q.cursor
+        self.hiwater = self.q.end  # records before it may have been sent: DUP
+        self.skipn = 0           # messages skipped since the last in-flight entry
+        self.window = c["max_inflight"]
+        self.in2 = {}            # inbound QoS 2 packet ids waiting for PUBREL
+        self.inbound = False     # publishing an upstream message locally
+        self.ev = None
+        self.last_rx = 0
+        self.last_tx = 0
+        self.last_k = 0
+        self.tokens = 0.0
+        self.t_rate = 0
+        self.fails = 0
+        self.attempts = []       # attempt times within the last minute
+        self.addr = None         # last resolved address
+        self.err = ""
+        self.sent = 0
+        self.acked = 0
+        self.dropped0 = 0        # QoS 0 messages dropped while the link was down
+        self.connects = 0        # successful connections this run
+        self.maxqos = 2
+        self.last_ping = 0
+        self.last_state = 0
+        self.rerr = None
+        self.rbuf = bytearray()
+        self.connack = None
+
+    def log(self, level, fmt, *args):
+        self.eng.log(level, "bridge %s: " % self.name + fmt, *args)
+
+    # ------------------------------------------------------- engine sink
+    def put(self, msg, retain, origin):
+        """Routing calls this for every PUBLISH; True when the message went
+        into the flash queue (its PUBACK then waits for commit())."""
+        if self.inbound:
+            return False  # came from upstream: never sent back (no loop)
+        topic = msg[0]
+        for flev, r in self.outr:
+            if eb.topic_matches(flev, topic):
+                break
+        else:
+            return False
+        rt = r["remote_prefix"] + topic[len(r["local_prefix"]):]
+        qos = min(msg[3], r["qos"])
+        exp = 0
+        flags = F_RETAIN if retain else 0
+        if msg[5]:
+            exp = int(msg[5] - self.eng.now_s + 0.999)
+            if exp <= 0:
+                return False
+            flags |= F_EXP
+        if retain and r["qos"]:
+            qos = qos or 1  # retained state must arrive: deletes included
+        if qos == 0:
+            if self.up and len(self.out) < self.eng.max_outbuf:
+                self._publish(rt.encode(), qos, retain, 0, msg[4], exp if flags & F_EXP else -1,
+                              msg[2], False)
+                self._kick()
+            else:
+                self.dropped0 += 1
+            return False
+        if not self.q.append(qos, flags, exp, eb._wallclock() or 0, rt.encode(), msg[4], msg[2]):
+            return False
+        if not self.durable:
+            self.eng.sdirty = True  # written at the turn's commit, not waited for
+        self._kick()
+        return True
+
+    def commit(self):
+        self.q.commit(self.durable)
+        self._kick()
+
+    def _kick(self):
+        if self.ev is not None:
+            self.ev.set()
+
+    def _moved(self, delta):
+        # compaction moved every offset down by delta
+        self.sendpos -= delta
+        self.hiwater = max(0, self.hiwater - delta)
+        for e in self.inflight:
+            e[_I_OFF] -= delta
+            e[_I_END] -= delta
+
+    # ------------------------------------------------------------ writing
+    def _publish(self, tb, qos, retain, pid, props, exp, payload, dup):
+        ver5 = self.c["protocol"] == 5
+        body = bytearray(eb.u16(len(tb)))
+        body += tb
+        if qos:
+            body += eb.u16(pid)
+        if ver5:
+            p = props
+            if exp >= 0:
+                p = eb.prop_u32(0x02, exp) + p  # Message Expiry Interval (3.3.2.3.3)
+            body += eb.vbi(len(p))
+            body += p
+        o = self.out
+        o.append(0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0))
+        o += eb.vbi(len(body) + len(payload))
+        o += body
+        o += payload
+        self.sent += 1
+
+    def _pid(self):
+        p = self.next_pid
+        while True:
+            p = p % 65535 + 1
+            if p not in self.pids:
+                self.next_pid = p
+                return p
+
+    def _fill(self, now):
+        """Sends queue records from sendpos while the window has room and
+        the replay rate allows: in file order, so per-topic order holds."""
+        q = self.q
+        rate = self.c["replay_rate"]
+        if rate:
+            self.tokens = min(rate, self.tokens + (now - self.t_rate) * rate)
+            self.t_rate = now
+        if self.sendpos < q.cursor:
+            self.sendpos = q.cursor
+        wall = None
+        while len(self.inflight) < self.window and self.sendpos < q.fend:
+            if rate and self.tokens < 1:
+                return
+            if len(self.out) > 65536:
+                return  # the socket is behind: fill again when it drains
+            pos = self.sendpos
+            rt, body, nxt = q.read(pos)
+            if rt is None:
+                self.sendpos = q.fend  # unreadable: nothing more to send
+                return
+            self.sendpos = nxt
+            if rt != T_MSG:
+                continue
+            m = decode_msg(body) if rt == T_MSG else None
+            if m is None:
+                self.skipn += 1
+                continue
+            qos, flags, exp, w, tb, props, payload = m
+            if flags & F_EXP:
+                if wall is None:
+                    wall = eb._wallclock() or 0
+                if w and wall:
+                    exp -= wall - w  # its lifetime went on while queued
+                if exp <= 0:
+                    self.skipn += 1  # expired in the queue: never sent
+                    if not self.inflight:
+                        self._ack_upto()
+                    continue
+            else:
+                exp = -1
+            pid = self._pid()
+            e = [pid, pos, nxt, 0, self.skipn + 1, qos]
+            self.skipn = 0
+            self.inflight.append(e)
+            self.pids[pid] = e
+            self._publish(tb, qos, flags & F_RETAIN, pid, props, exp, payload, pos < self.hiwater)
+            if rate:
+                self.tokens -= 1
+
+    def _ack_upto(self):
+        # nothing in flight: the cursor follows sendpos (skipped records)
+        if self.skipn:
+            self.q.advance(self.sendpos, self.skipn)
+            self.skipn = 0
+
+    def _acked(self, pid, comp):
+        e = self.pids.get(pid)
+        if e is None:
+            return
+        if e[_I_QOS] == 2 and not comp:
+            # PUBREC: release it (MQTT-4.3.3); the cursor waits for PUBCOMP
+            e[_I_ACK] = 2
+            self.out += b"\x62\x02" + eb.u16(pid)
+            return
+        del self.pids[pid]
+        e[_I_ACK] = 1
+        self.acked += 1
+        inf = self.inflight
+        n = 0
+        end = 0
+        while inf and inf[0][_I_ACK] == 1:
+            x = inf.pop(0)
+            n += x[_I_N]
+            end = x[_I_END]
+        if n:
+            if not inf and self.skipn and self.sendpos > end:
+                end = self.sendpos
+                n += self.skipn
+                self.skipn = 0
+            self.q.advance(end, n)
+
+    # ------------------------------------------------------------- the link
+    def status_topic(self):
+        rules = self.outr[0][1] if self.outr else self.c["topics"][0]
+        return rules["remote_prefix"] + "status"
+
+    def _connect_packet(self):
+        c = self.c
+        ver = c["protocol"]
+        # Clean Start on the first connection of a run (the upstream may
+        # hold QoS 2 state for packet ids this run would reuse), then a
+        # persistent session: in-flight QoS 2 exchanges and subscriptions
+        # survive an outage (MQTT-3.1.2-4/5)
+        flags = 0 if self.connects else 0x02
+        body = bytearray(eb.mqstr("MQTT") + bytes((ver,)))
+        payload = bytearray(eb.mqstr(c["client_id"]))
+        if c["status"]:
+            # the upstream publishes "offline" retained when the link dies
+            flags |= 0x04 | 0x08 | 0x20  # will, will QoS 1, will retain
+            if ver == 5:
+                payload += b"\x00"  # will properties
+            payload += eb.mqstr(self.status_topic()) + eb.mqstr(b"offline")
+        if c["username"]:
+            flags |= 0x80
+            payload += eb.mqstr(c["username"])
+        if c["password"]:
+            flags |= 0x40
+            payload += eb.mqstr(c["password"])
+        body.append(flags)
+        body += eb.u16(c["keepalive"])
+        if ver == 5:
+            # Session Expiry: the upstream keeps our session (its in-flight
+            # QoS 2 state, our subscriptions) across outages; Receive
+            # Maximum: what we accept inbound
+            p = eb.prop_u32(0x11, 0xFFFFFFFF) + eb.prop_u16(0x21, 64)
+            body += eb.vbi(len(p)) + p
+        return eb.packet(1, 0, bytes(body + payload))
+
+    async def run(self):
+        """The link task: connect, serve, back off, again, until stopped."""
+        aio = eb._asyncio()
+        self.ev = aio.Event()
+        clock = self.broker.clock
+        self._state()
+        try:
+            while self.broker.running:
+                await self._backoff(aio, clock)
+                try:
+                    await self._session(aio, clock)
+                    self.fails = 0
+                except (OSError, _Down, eb.MqttError, ValueError) as e:
+                    self.err = _why(e)
+                    self.fails += 1
+                    self.log("warning", "link down: %s", self.err)
+                except Exception as e:  # a bug must not end the bridge for good
+                    self.err = _why(e)
+                    self.fails += 1
+                    self.log("error", "link failed: %s", self.err)
+                    eb._print_exc(e)
+                finally:
+                    self._close()
+                    self._state()
+        finally:
+            self._close()
+            self.q.close()
+
+    async def _backoff(self, aio, clock):
+        c = self.c
+        if self.fails:
+            d = min(c["retry_max"], c["retry_min"] * (1 << min(self.fails - 1, 16)))
+            d = d / 2 + _jitter(d / 2)  # up to 50% jitter: gateways do not reconnect in step
+            await aio.sleep(d)
+        # at most attempts_per_minute attempts in any minute
+        now = clock()
+        a = [t for t in self.attempts if now - t < 60]
+        if len(a) >= c["attempts_per_minute"]:
+            await aio.sleep(60 - (now - a[0]))
+            now = clock()
+            a = [t for t in a if now - t < 60]
+        a.append(now)
+        self.attempts = a
+
+    async def _session(self, aio, clock):
+        c = self.c
+        try:
+            # DNS is a blocking call on MicroPython: once per attempt; the
+            # last address serves when resolution fails
+            ai = socket.getaddrinfo(c["host"], c["port"], 0, socket.SOCK_STREAM)[0]
+            self.addr = ai
+        except OSError:
+            if self.addr is None:
+                raise
+            ai = self.addr
+        s = socket.socket(ai[0], socket.SOCK_STREAM)
+        self.sock = s
+        s.setblocking(False)
+        try:
+            s.connect(ai[-1])
+        except OSError as e:
+            if e.args[0] not in _EINPROGRESS:
+                raise
+        await aio.wait_for(_writable(s), c["connect_timeout"])
+        err = _so_error(s)
+        if err:
+            raise OSError(err)
+        try:
+            s.setsockopt(eb._IPPROTO_TCP, eb._TCP_NODELAY, 1)
+        except (OSError, AttributeError):
+            pass
+        self.rbuf = bytearray()
+        self.connack = None
+        self.out = bytearray(self._connect_packet())
+        self.last_rx = self.last_tx = self.last_ping = clock()
+        rd = aio.create_task(self._reader(s, clock))
+        try:
+            deadline = clock() + c["connect_timeout"]
+            while self.connack is None:
+                self._flush()
+                if rd.done():
+                    raise _Down("closed before CONNACK")
+                if clock() > deadline:
+                    raise _Down("no CONNACK in connect_timeout")
+                await self._wait(aio, 0.2)
+            self._connected(clock)
+            await self._serve(aio, clock, rd)
+        finally:
+            rd.cancel()
+            try:
+                await rd
+            except BaseException:
+                pass
+
+    def _connected(self, clock):
+        sp, rc, props = self.connack
+        if rc:
+            raise _Down("CONNACK refused 0x%02x" % rc)
+        self.window = min(self.c["max_inflight"], props.get(0x21, 65535))
+        self.maxqos = props.get(0x24, 2)
+        self.up = True
+        self.connects += 1
+        self.err = ""
+        self.log("info", "connected to %s:%d (session %s, receive maximum %d)",
+                 self.c["host"], self.c["port"], "present" if sp else "new", self.window)
+        if sp:
+            # MQTT-4.4.0-1: resend what is in flight with the same packet
+            # identifiers (PUBREL for QoS 2 past PUBREC): exactly once
+            for e in self.inflight:
+                if e[_I_ACK] == 2:
+                    self.out += b"\x62\x02" + eb.u16(e[_I_PID])
+                elif e[_I_ACK] == 0:
+                    self._resend(e)
+        else:
+            self._restart()
+        if self.c["status"]:
+            self._publish(self.status_topic().encode(), 1, 1, self._pid_status(), b"", -1,
+                          b"online", False)
+        subs = bytearray()
+        for f, fl, r in self.inr:
+            # No Local (MQTT-3.8.3-3): our own publishes never come back;
+            # Retain As Published: a retained upstream message stays retained
+            opts = r["qos"] | (0x04 | 0x08 if self.c["protocol"] == 5 else 0)
+            subs += eb.mqstr(f) + bytes((opts,))
+        if subs:
+            p = b"\x00" if self.c["protocol"] == 5 else b""
+            self.out += eb.packet(8, 2, eb.u16(self._pid_status()) + p + bytes(subs))
+        self.t_rate = clock()
+        self.tokens = 1.0
+        self._state()
+
+    def _pid_status(self):
+        # a packet id outside the queue's: its acks match no entry
+        p = self._pid()
+        self.pids[p] = [p, 0, 0, 1, 0, 0]
+        return p
+
+    def _restart(self):
+        # a new upstream session: everything from the cursor goes again
+        self.hiwater = max(self.hiwater, self.sendpos)
+        self.inflight = []
+        self.pids = {}
+        self.skipn = 0
+        self.sendpos = self.q.cursor
+
+    def _resend(self, e):
+        rt, body, nxt = self.q.read(e[_I_OFF])
+        m = decode_msg(body) if rt == T_MSG else None
+        if m is None:
+            e[_I_ACK] = 1
+            return
+        qos, flags, exp, w, tb, props, payload = m
+        self._publish(tb, e[_I_QOS], flags & F_RETAIN, e[_I_PID], props,
+                      exp if flags & F_EXP else -1, payload, True)
+
+    async def _wait(self, aio, t):
+        ev = self.ev
+        ev.clear()
+        if self.out and self.sock is not None:
+            # the socket is full: wait for room (or an event, or the timeout)
+            try:
+                await aio.wait_for(_writable(self.sock), t)
+            except aio.TimeoutError:
+                pass
+            return
+        try:
+            await aio.wait_for(ev.wait(), t)
+        except aio.TimeoutError:
+            pass
+
+    async def _serve(self, aio, clock, rd):
+        c = self.c
+        ka = c["keepalive"]
+        while self.broker.running:
+            if rd.done():
+                e = self.rerr
+                raise e if e is not None else _Down("closed by upstream")
+            now = clock()
+            if now - self.last_rx >= ka:
+                # a PINGREQ went at keepalive/2 and nothing came back since:
+                # the link is silent (a dead NAT entry, a stuck proxy)
+                raise _Down("keep alive: nothing from upstream in %d s" % ka)
+            if now - self.last_rx >= ka / 2 and now - self.last_ping >= ka / 2:
+                self.out += b"\xc0\x00"
+                self.last_ping = now
+            self._fill(now)
+            self._flush()
+            if self.q.kdirty and now - self.last_k >= 0.2:
+                self.last_k = now
+                self.q.commit(False)
+            if now - self.last_state >= 5:
+                self._state()
+            t = 1.0
+            if c["replay_rate"] and self.sendpos < self.q.fend:
+                t = 1 / c["replay_rate"]
+            await self._wait(aio, t)
+
+    def _flush(self):
+        o = self.out
+        if not o or self.sock is None:
+            return
+        try:
+            n = self.sock.send(o)
+        except OSError as e:
+            if e.args[0] in eb._EAGAIN:
+                return
+            raise
+        if n:
+            self.out = o[n:]  # MicroPython's bytearray has no slice deletion
+
+    async def _reader(self, s, clock):
+        self.rerr = None
+        mv = memoryview(bytearray(4096))
+        try:
+            while True:
+                await eb._io_wait(s, False)
+                n = eb._recv_into(s, mv)
+                if n < 0:
+                    continue
+                if n == 0:
+                    raise _Down("closed by upstream")
+                self.last_rx = clock()
+                self.rbuf += mv[:n]
+                self._parse()
+                self._kick()
+        except Exception as e:
+            self.rerr = e
+            self._kick()
+
+    def _parse(self):
+        b = self.rbuf
+        i = 0
+        n = len(b)
+        while n - i >= 2:
+            j = i + 1
+            ln = 0
+            sh = 0
+            while True:
+                if j >= n:
+                    ln = -1
+                    break
+                d = b[j]
+                j += 1
+                ln |= (d & 0x7F) << sh
+                if not d & 0x80:
+                    break
+                sh += 7
+                if sh > 21:
+                    raise _Down("malformed length")
+            if ln < 0 or j + ln > n:
+                break
+            self._handle(b[i], b, j, j + ln)
+            i = j + ln
+        if i:
+            self.rbuf = b[i:]
+
+    def _handle(self, first, b, i, end):
+        t = first >> 4
+        ver5 = self.c["protocol"] == 5
+        if t == 4 or t == 7:  # PUBACK, PUBCOMP
+            self._acked(b[i] << 8 | b[i + 1], True)
+        elif t == 5:  # PUBREC
+            pid = b[i] << 8 | b[i + 1]
+            if end - i > 2 and b[i + 2] >= 0x80:
+                self._acked(pid, True)  # refused: the exchange ends (4.3.3)
+            else:
+                self._acked(pid, False)
+        elif t == 3:
+            self._inbound(first, b, i, end)
+        elif t == 6:  # PUBREL for an inbound QoS 2 message
+            pid = b[i] << 8 | b[i + 1]
+            self.in2.pop(pid, None)
+            self.out += b"\x70\x02" + eb.u16(pid)
+        elif t == 2:  # CONNACK
+            props = {}
+            if ver5 and end - i > 2:
+                props, _, _ = eb.read_props(b, i + 2, end)
+            self.connack = (b[i] & 1, b[i + 1], props)
+        elif t == 14:
+            raise _Down("DISCONNECT 0x%02x from upstream" % (b[i] if end > i else 0))
+        elif t == 9:  # SUBACK
+            pid = b[i] << 8 | b[i + 1]
+            self.pids.pop(pid, None)
+            if end > i + 2 and b[end - 1] >= 0x80:
+                self.log("warning", "upstream refused a subscription (0x%02x)", b[end - 1])
+        # PINGRESP (13): last_rx is all it does
+
+    def _inbound(self, first, b, i, end):
+        qos = first >> 1 & 3
+        tl = b[i] << 8 | b[i + 1]
+        i += 2
+        topic = str(bytes(b[i:i + tl]), "utf-8")
+        i += tl
+        pid = 0
+        if qos:
+            pid = b[i] << 8 | b[i + 1]
+            i += 2
+        props = None
+        if self.c["protocol"] == 5:
+            pr, fwd, i = eb.read_props(b, i, end)
+            props = eb.decode_props(fwd) if fwd else {}
+            if 0x02 in pr:
+                props["message_expiry_interval"] = pr[0x02]
+        payload = bytes(b[i:end])
+        if qos == 2:
+            if pid in self.in2:
+                self.out += b"\x50\x02" + eb.u16(pid)
+                return
+        ok = self._deliver(topic, payload, qos, first & 1, props)
+        if qos == 1:
+            self.out += b"\x40\x02" + eb.u16(pid)
+        elif qos == 2:
+            if ok:
+                self.in2[pid] = 1
+            self.out += b"\x50\x02" + eb.u16(pid)
+
+    def _deliver(self, topic, payload, qos, retain, props):
+        for f, fl, r in self.inr:
+            if eb.topic_matches(fl, topic):
+                break
+        else:
+            return False
+        local = r["local_prefix"] + topic[len(r["remote_prefix"]):]
+        self.inbound = True
+        try:
+            self.broker.publish(local, payload, min(qos, r["qos"]), bool(retain), props or None)
+        except (ValueError, OSError) as e:
+            self.log("warning", "inbound %s not published: %s", local, _why(e))
+            return False
+        finally:
+            self.inbound = False
+        return True
+
+    def _close(self):
+        s = self.sock
+        if s is None:
+            return
+        self.sock = None
+        was = self.up
+        self.up = False
+        self.out = bytearray()
+        self.in2 = {}
+        eb._io_forget(s)
+        try:
+            s.close()
+        except OSError:
+            pass
+        if was:
+            self.hiwater = max(self.hiwater, self.sendpos)
+            self.log("info", "disconnected: %s", self.err or "-")
+
+    # ------------------------------------------------------------- status
+    def _state(self):
+        self.last_state = self.broker.clock()
+
+
+def _why(e):
+    if isinstance(e, _Down):
+        return e.args[0] if e.args else "down"
+    if isinstance(e, eb.MqttError):
+        return e.text
+    return repr(e)
+
+
+async def _writable(s):
+    await eb._io_wait(s, True)
+
+
+def _so_error(s):
+    try:
+        return s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except (AttributeError, OSError):
+        return 0  # MicroPython: the first send reports a refused connect
+
+
+# ---------------------------------------------------------------- 5. attach
+def attach(broker, items, data_dir):
+    """Called by edgebroker.start() when the profile has bridges: checks
+    them, opens each queue file, registers the sinks and the link tasks."""
+    if not data_dir:
+        raise ValueError("bridges: need a data directory for the queue files (--data-dir)")
+    eb._asyncio()
+    out = []
+    for c in check(items, broker.cfg["board"]):
+        b = Bridge(broker, c, data_dir)
+        broker.engine.sinks.append(b)
+        broker.extras.append(b.run)
+        out.append(b)
+    return out
