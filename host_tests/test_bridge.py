@@ -496,3 +496,152 @@ def test_poll_server_refuses_bridges(tmp_path, which):
                        cwd=str(REPO), capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
     assert "need the asyncio server" in r.stdout + r.stderr  # MicroPython: traceback on stdout
+
+
+def bridge_state(port, name="cloud"):
+    """The gateway's $SYS/broker/bridge/<name>/state, as a dict."""
+    from mqtt_helpers import paho_client
+
+    c = paho_client(port, "state-reader-%d" % time.monotonic_ns())
+    try:
+        c.subscribe_wait("$SYS/broker/bridge/%s/state" % name, qos=0)
+        assert c.wait_messages(1, timeout=5)
+        m = c.get_messages()[0]
+        assert m.retain  # made on demand for a new subscriber, like every $SYS topic
+        return json.loads(m.payload)
+    finally:
+        c.close()
+
+
+@ASYNC
+def test_status_topics_local_and_upstream(broker_factory, upstream, collector):
+    up = upstream()
+    col = collector(up.port)
+    gw = gateway(broker_factory, [bridge(up.port, OUT)])
+    wait_connected(gw)
+    st = bridge_state(gw.port)
+    assert st["connected"] is True and st["backlog"] == 0 and st["drops"] == 0
+    assert wait_for(lambda: ("site1/gw1/status", b"online") in [(t, p) for t, p, *_ in col.get()], 5)
+    # the upstream publishes the will when the gateway dies
+    gw.kill()
+    assert wait_for(lambda: col.get()[-1][:2] == ("site1/gw1/status", b"offline"), 10), col.get()
+    # the offline state is retained upstream
+    from mqtt_helpers import paho_client
+
+    late = paho_client(up.port, "late")
+    late.subscribe_wait("site1/gw1/status", qos=1)
+    assert late.wait_messages(1, timeout=5)
+    m = late.get_messages()[0]
+    assert (m.payload, m.retain) == (b"offline", True)
+    late.close()
+    # down: the local state says so, with the backlog and its age
+    gw2 = gateway(broker_factory, [bridge(up.port, OUT)], port=gw.port)
+    wait_connected(gw2)
+    up.stop()
+    assert gw2.wait_log("bridge cloud: link down", 15)
+    publish_many(gw2.port, [("sensors/a", b"1"), ("sensors/b", b"2")])
+    st = bridge_state(gw2.port)
+    assert st["connected"] is False and st["backlog"] == 2 and st["backlog_bytes"] > 0
+    assert st["oldest_age"] is not None and 0 <= st["oldest_age"] < 60
+    assert st["last_error"]
+
+
+@ASYNC
+def test_latest_mode_sends_only_the_newest_per_topic(broker_factory, upstream, collector):
+    up = upstream()
+    col = collector(up.port)
+    rules = [{"pattern": "state/#", "qos": 1, "remote_prefix": "gw/", "mode": "latest"}] + OUT
+    gw = gateway(broker_factory, [bridge(up.port, rules)])
+    wait_connected(gw)
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15)
+    msgs = []
+    for i in range(50):
+        msgs += [("state/a", b"a%d" % i), ("state/b", b"b%d" % i), ("sensors/q", b"%d" % i)]
+    publish_many(gw.port, msgs)
+    up.start()
+    wait_connected(gw, 2, timeout=20)
+    assert wait_for(lambda: sum(1 for m in col.get() if m[0] == "site1/gw1/sensors/q") >= 50, 20)
+    time.sleep(0.5)
+    got = [(t, p) for t, p, *_ in col.get()]
+    # queue mode keeps all 50; latest keeps only the newest of each topic
+    assert [p for t, p in got if t == "site1/gw1/sensors/q"] == [b"%d" % i for i in range(50)]
+    assert [p for t, p in got if t == "gw/state/a"] == [b"a49"]
+    assert [p for t, p in got if t == "gw/state/b"] == [b"b49"]
+    assert bridge_state(gw.port)["latest_skipped"] == 98
+
+
+@ASYNC
+def test_retained_state_and_offline_delete_propagate(broker_factory, upstream):
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    gw = gateway(broker_factory, [bridge(up.port, OUT)])
+    wait_connected(gw)
+    pub = paho_client(gw.port, "rpub")
+    pub.publish_wait("sensors/keep", b"v1", qos=1, retain=True)
+    pub.publish_wait("sensors/gone", b"old", qos=0, retain=True)
+    cloud = paho_client(up.port, "rcheck")
+    cloud.subscribe_wait("site1/gw1/sensors/#", qos=1)
+    assert cloud.wait_messages(2, timeout=10)
+    assert {(m.topic, m.payload, m.retain) for m in cloud.get_messages()} == {
+        ("site1/gw1/sensors/keep", b"v1", True), ("site1/gw1/sensors/gone", b"old", True)}
+    cloud.close()
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15)
+    pub.publish_wait("sensors/gone", b"", qos=0, retain=True)  # deleted while offline
+    pub.publish_wait("sensors/keep", b"v2", qos=1, retain=True)
+    pub.close()
+    up.start()
+    wait_connected(gw, 2, timeout=20)
+    time.sleep(1.0)
+    late = paho_client(up.port, "rlate")
+    late.subscribe_wait("site1/gw1/sensors/#", qos=1)
+    time.sleep(1.0)
+    got = {(m.topic, m.payload) for m in late.get_messages()}
+    assert got == {("site1/gw1/sensors/keep", b"v2")}, got
+    late.close()
+
+
+@ASYNC
+@pytest.mark.parametrize("when_full", ["drop_oldest", "refuse"])
+def test_full_queue_policy_holds_and_counts_drops(broker_factory, upstream, collector, when_full):
+    up = upstream()
+    col = collector(up.port)
+    gw = gateway(broker_factory, [bridge(up.port, OUT, queue_bytes=4096, when_full=when_full)])
+    wait_connected(gw)
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15)
+    sent = [("sensors/f", b"%04d" % i + b"x" * 60) for i in range(200)]
+    publish_many(gw.port, sent)  # every one acknowledged locally all the same
+    st = bridge_state(gw.port)
+    assert st["backlog_bytes"] <= 4096
+    assert st["drops"] == 200 - st["backlog"] and st["backlog"] > 10
+    n = st["backlog"]
+    up.start()
+    wait_connected(gw, 2, timeout=20)
+    assert wait_for(lambda: len([m for m in col.get() if m[0] == "site1/gw1/sensors/f"]) >= n, 20)
+    time.sleep(0.3)
+    got = [p for t, p, *_ in col.get() if t == "site1/gw1/sensors/f"]
+    want = [p for t, p in sent]
+    # drop_oldest keeps the newest n, refuse the first n
+    assert got == (want[-n:] if when_full == "drop_oldest" else want[:n])
+
+
+@ASYNC
+def test_queue_file_is_compacted_after_a_drain(broker_factory, upstream, collector):
+    up = upstream()
+    col = collector(up.port)
+    gw = gateway(broker_factory, [bridge(up.port, OUT)], compact_min_bytes=4096)
+    wait_connected(gw)
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15)
+    sent = [("sensors/c", b"%d" % i + b"y" * 200) for i in range(500)]
+    publish_many(gw.port, sent)
+    qf = Path(gw.data_dir) / "bridge-cloud.ebrq"
+    assert qf.stat().st_size > 500 * 200
+    up.start()
+    assert wait_for(lambda: len([m for m in col.get() if m[0] == "site1/gw1/sensors/c"]) >= 500, 30)
+    # the acknowledged prefix is dropped: the file shrinks to a few records
+    assert wait_for(lambda: qf.stat().st_size < 8192, 10), qf.stat().st_size
+    assert qf.read_bytes()[:5] == b"EBRQ\x01"

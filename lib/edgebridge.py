@@ -15,7 +15,8 @@
 # <data_dir>/bridge-<name>.ebrq, big-endian, edgestore's conventions:
 #   header   45 42 52 51 "EBRQ" | 01 version | 00 00 00 reserved
 #   records  type (1) | length (4) | body | crc (4, CRC-32 of type+length+body)
-#     "M" 0x4D message: qos (1) | flags (1: 0x01 retain, 0x02 has expiry) |
+#     "M" 0x4D message: qos (1) | flags (1: 0x01 retain, 0x02 has expiry,
+#              0x04 `latest` rule: only the newest of its topic is sent) |
 #              expiry (4, seconds left at the write) | wall (4, Unix seconds
 #              of the write, 0 = clock not set) | topic length (2) |
 #              props length (4) | topic (the upstream topic, UTF-8) |
@@ -76,6 +77,7 @@ T_MSG = const(0x4D)
 T_CURSOR = const(0x4B)
 F_RETAIN = const(1)
 F_EXP = const(2)
+F_LATEST = const(4)
 _HDR = const(8)
 _MHEAD = const(16)     # message body bytes before topic, props, payload
 _U32 = const(0xFFFFFFFF)
@@ -266,6 +268,7 @@ class Queue:
         self.corrupt = 0
         self.kdirty = False     # cursor moved since the last "K" record
         self.moved = None       # callback(delta) after a compaction
+        self.created = False    # a new file (no earlier state to resume)
         self._open()
 
     @property
@@ -333,6 +336,7 @@ class Queue:
         self.count = n
 
     def _create(self):
+        self.created = True
         g = open(self.path, "wb")
         g.write(HEADER)
         _sync(g)
@@ -518,6 +522,12 @@ class Bridge:
         self.sent = 0
         self.acked = 0
         self.dropped0 = 0        # QoS 0 messages dropped while the link was down
+        self.lskip = 0           # queued messages skipped: a newer one of their topic (latest)
+        self.latest = {}         # latest mode: topic hash -> newest record offset
+        self.lfull = 0           # latest topics beyond latest_topics
+        self._rebuild_latest()
+        if self.q.created:
+            self._initial_sync()
         self.connects = 0        # successful connections this run
         self.maxqos = 2
         self.last_ping = 0
@@ -560,8 +570,15 @@ class Bridge:
             else:
                 self.dropped0 += 1
             return False
-        if not self.q.append(qos, flags, exp, eb._wallclock() or 0, rt.encode(), msg[4], msg[2]):
+        tb = rt.encode()
+        pos = self.q.end
+        if r["mode"] == "latest":
+            flags |= F_LATEST
+        if not self.q.append(qos, flags, exp, eb._wallclock() or 0, tb, msg[4], msg[2]):
             return False
+        if flags & F_LATEST:
+            self._latest_at(tb, pos)
+
         if not self.durable:
             self.eng.sdirty = True  # written at the turn's commit, not waited for
         self._kick()
@@ -582,6 +599,65 @@ class Bridge:
         for e in self.inflight:
             e[_I_OFF] -= delta
             e[_I_END] -= delta
+        lx = self.latest
+        for h in list(lx):
+            if lx[h] < delta + _HDR:
+                del lx[h]  # before the cursor: gone with the dead prefix
+            else:
+                lx[h] -= delta
+
+    # ------------------------------------------------------- latest mode
+    # A fixed index: CRC-32 of the upstream topic -> offset of its newest
+    # queued record, at most latest_topics entries. A record of a `latest`
+    # rule is sent only if it is that newest one; a hash shared by two
+    # topics is told apart by reading the newer record's topic.
+    def _latest_at(self, tb, pos):
+        h = _crc32(tb)
+        lx = self.latest
+        if h not in lx and len(lx) >= self.c["latest_topics"]:
+            self.lfull += 1  # untracked: queued and sent like `queue` mode
+            return
+        lx[h] = pos
+
+    def _superseded(self, tb, pos):
+        h = _crc32(tb)
+        at = self.latest.get(h)
+        if at is None or at == pos:
+            if at is not None:
+                del self.latest[h]  # the newest goes now; a later one re-enters
+            return False
+        if at < pos:
+            return False
+        rt, body, nxt = self.q.read(at)
+        m = decode_msg(body) if rt == T_MSG else None
+        return m is not None and m[4] == tb
+
+    def _rebuild_latest(self):
+        q = self.q
+        pos = q.cursor
+        while pos < q.end:
+            rt, body, nxt = q.read(pos)
+            if rt is None:
+                break
+            if rt == T_MSG:
+                m = decode_msg(body)
+                if m is not None and m[1] & F_LATEST:
+                    self._latest_at(m[4], pos)
+            pos = nxt
+
+    def _initial_sync(self):
+        # a new queue file: the upstream gets the retained state of the
+        # outbound topics once (later changes, deletes included, follow
+        # through the queue)
+        store = self.eng.store
+        for flev, r in self.outr:
+            for m in store.match(flev):
+                for f2, r2 in self.outr:
+                    if eb.topic_matches(f2, m[0]):
+                        break
+                if r2 is r:
+                    self.put(m, 1, None)
+        self.eng.sdirty = True  # committed at the first turn
 
     # ------------------------------------------------------------ writing
     def _publish(self, tb, qos, retain, pid, props, exp, payload, dup):
@@ -640,6 +716,12 @@ class Bridge:
                 self.skipn += 1
                 continue
             qos, flags, exp, w, tb, props, payload = m
+            if flags & F_LATEST and self._superseded(tb, pos):
+                self.lskip += 1
+                self.skipn += 1
+                if not self.inflight:
+                    self._ack_upto()
+                continue
             if flags & F_EXP:
                 if wall is None:
                     wall = eb._wallclock() or 0
@@ -1082,8 +1164,42 @@ class Bridge:
             self.log("info", "disconnected: %s", self.err or "-")
 
     # ------------------------------------------------------------- status
+    def state_msg(self):
+        """$SYS/broker/bridge/<name>/state: a JSON object (connected,
+        backlog messages and bytes, oldest backlog age in seconds or null
+        when the wall clock is not set, drops, last error)."""
+        import json
+        q = self.q
+        age = None
+        if q.count and q.cursor < q.end:
+            now = eb._wallclock()
+            pos = q.cursor
+            # the first message at or after the cursor (a "K" may come first)
+            for _ in range(4):
+                rt, body, nxt = q.read(pos)
+                if rt is None:
+                    break
+                if rt == T_MSG:
+                    m = decode_msg(body)
+                    if m is not None and m[3] and now:
+                        age = max(0, now - m[3])
+                    break
+                pos = nxt
+        d = {"connected": self.up, "backlog": q.count, "backlog_bytes": q.nbytes,
+             "oldest_age": age, "drops": q.drops, "dropped_qos0": self.dropped0,
+             "latest_skipped": self.lskip, "sent": self.sent, "acked": self.acked,
+             "last_error": self.err}
+        return self.eng.make_msg("$SYS/broker/bridge/%s/state" % self.name,
+                                 json.dumps(d).encode(), 0, b"", 0)
+
     def _state(self):
+        # retained on the local side: $SYS messages are made on demand for
+        # a new subscriber (see attach()), live ones go out now
         self.last_state = self.broker.clock()
+        eng = self.eng
+        eng.now_s = self.last_state
+        eng.publish(self.state_msg(), 1, None)
+        self.broker._kick()
 
 
 def _why(e):
@@ -1118,4 +1234,15 @@ def attach(broker, items, data_dir):
         broker.engine.sinks.append(b)
         broker.extras.append(b.run)
         out.append(b)
+    eng = broker.engine
+    made = eng.sys_msgs
+
+    def sys_msgs():
+        # the engine makes $SYS on demand (a new $SYS subscriber, every
+        # sys_interval): the bridges' state topics are part of that set
+        for m in made():
+            yield m
+        for b in out:
+            yield b.state_msg()
+    eng.sys_msgs = sys_msgs
     return out
