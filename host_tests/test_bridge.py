@@ -325,6 +325,11 @@ def wait_connected(gw, n=1, timeout=15):
     assert ok, gw.log_text()[-3000:]
 
 
+def arrived(col):
+    """Distinct (topic, payload) pairs the collector got, status excluded."""
+    return {(t, p) for t, p, *_ in col.get() if not t.endswith("/status")}
+
+
 def check_all_in_order(got, sent):
     """Every sent (topic, payload) arrived (at least once) and, per topic,
     the first arrivals are in publish order."""
@@ -352,6 +357,7 @@ def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collec
          "local_prefix": "local/"},
         {"pattern": "echo/#", "direction": "both", "qos": 1, "remote_prefix": "site1/gw1/"},
         {"pattern": "fast/#", "direction": "out", "qos": 0, "remote_prefix": "site1/gw1/"},
+        {"pattern": "exact/#", "direction": "out", "qos": 2, "remote_prefix": "site1/gw1/"},
     ]
     gw = gateway(broker_factory, [bridge(up.port, rules)])
     wait_connected(gw)
@@ -359,10 +365,12 @@ def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collec
     local.subscribe_wait("#", qos=1)
     publish_many(gw.port, [("sensors/t1", b"21.5"), ("other/x", b"not bridged"),
                            ("echo/a", b"e1"), ("fast/f", b"q0")])
-    assert wait_for(lambda: len(col.get()) >= 4, 10), col.get()
+    publish_many(gw.port, [("exact/e", b"two"), ("sensors/t2", b"q2 down to 1")], qos=2)
+    assert wait_for(lambda: len(col.get()) >= 6, 10), col.get()
     got = {(t, p) for t, p, r, q in col.get() if not t.endswith("status")}
     assert got == {("site1/gw1/sensors/t1", b"21.5"), ("site1/gw1/echo/a", b"e1"),
-                   ("site1/gw1/fast/f", b"q0")}
+                   ("site1/gw1/fast/f", b"q0"), ("site1/gw1/exact/e", b"two"),
+                   ("site1/gw1/sensors/t2", b"q2 down to 1")}
     # inbound: upstream -> local with the prefixes swapped
     cloud = paho_client(up.port, "cloud")
     cloud.publish_wait("site1/gw1/cmd/reboot", b"now", qos=1)
@@ -399,27 +407,35 @@ def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, coll
 
 
 @ASYNC
-def test_power_cut_mid_drain_loses_nothing(broker_factory, upstream, collector, proxy):
+@pytest.mark.parametrize("qos", [1, 2])
+def test_power_cut_mid_drain_loses_nothing(broker_factory, upstream, collector, proxy, qos):
     """SIGKILL in the middle of the backlog drain, restart on the same data
-    directory: every locally acknowledged QoS 1 message arrives upstream at
-    least once, per-topic order of first arrivals kept."""
+    directory: every locally acknowledged message arrives upstream, at least
+    once with QoS 1, exactly once with QoS 2 (the upstream keeps the
+    bridge's session), per-topic order of first arrivals kept."""
     up = upstream()
-    col = collector(up.port)
+    col = collector(up.port, qos=qos)
     px = proxy(up.port)
     px.freeze()
-    b = bridge(px.port, OUT, replay_rate=400, keepalive=30)
+    rules = [dict(OUT[0], qos=qos)]
+    b = bridge(px.port, rules, replay_rate=400, keepalive=30)
     gw = gateway(broker_factory, [b])
     sent = [("sensors/p%d" % (i % 5), b"%d" % i) for i in range(1500)]
-    publish_many(gw.port, sent)
+    publish_many(gw.port, sent, qos=qos)
     px.thaw()
     assert wait_for(lambda: len(col.get()) >= 200, 20), len(col.get())
     gw.kill()
     assert len(col.get()) < len(sent)  # killed mid-drain
     gw2 = gateway(broker_factory, [b], port=gw.port)
     want = [("site1/gw1/" + t, p) for t, p in sent]
-    assert wait_for(lambda: len({(t, p) for t, p, *_ in col.get()}) >= len(want) + 1, 40), \
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 40), \
         len(col.get())
-    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    got = [m for m in col.get() if not m[0].endswith("status")]
+    check_all_in_order(got, want)
+    if qos == 2:
+        time.sleep(1.0)
+        got = [(t, p) for t, p, *_ in col.get() if not t.endswith("status")]
+        assert len(got) == len(want), "%d duplicates" % (len(got) - len(want))
     assert gw2.alive()
 
 
@@ -453,7 +469,7 @@ def test_silent_link_is_detected_and_nothing_is_lost(broker_factory, upstream, c
     px.thaw()
     wait_connected(gw, 2, timeout=20)
     want = [("site1/gw1/" + t, p) for t, p in sent]
-    assert wait_for(lambda: len({(t, p) for t, p, *_ in col.get()}) >= len(want) + 1, 20)
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 20)
     check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
 
 
@@ -581,12 +597,8 @@ def test_retained_state_and_offline_delete_propagate(broker_factory, upstream):
     pub = paho_client(gw.port, "rpub")
     pub.publish_wait("sensors/keep", b"v1", qos=1, retain=True)
     pub.publish_wait("sensors/gone", b"old", qos=0, retain=True)
-    cloud = paho_client(up.port, "rcheck")
-    cloud.subscribe_wait("site1/gw1/sensors/#", qos=1)
-    assert cloud.wait_messages(2, timeout=10)
-    assert {(m.topic, m.payload, m.retain) for m in cloud.get_messages()} == {
-        ("site1/gw1/sensors/keep", b"v1", True), ("site1/gw1/sensors/gone", b"old", True)}
-    cloud.close()
+    assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == {
+        ("site1/gw1/sensors/keep", b"v1"), ("site1/gw1/sensors/gone", b"old")}, 10)
     up.stop()
     assert gw.wait_log("bridge cloud: link down", 15)
     pub.publish_wait("sensors/gone", b"", qos=0, retain=True)  # deleted while offline
@@ -594,13 +606,22 @@ def test_retained_state_and_offline_delete_propagate(broker_factory, upstream):
     pub.close()
     up.start()
     wait_connected(gw, 2, timeout=20)
-    time.sleep(1.0)
-    late = paho_client(up.port, "rlate")
-    late.subscribe_wait("site1/gw1/sensors/#", qos=1)
-    time.sleep(1.0)
-    got = {(m.topic, m.payload) for m in late.get_messages()}
-    assert got == {("site1/gw1/sensors/keep", b"v2")}, got
-    late.close()
+    want = {("site1/gw1/sensors/keep", b"v2")}
+    assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == want, 10), \
+        retained_upstream(up.port, "site1/gw1/sensors/#")
+
+
+def retained_upstream(port, filt):
+    """The retained messages a new subscriber gets from the upstream."""
+    from mqtt_helpers import paho_client
+
+    c = paho_client(port, "retained-check-%d" % time.monotonic_ns())
+    try:
+        c.subscribe_wait(filt, qos=1)
+        time.sleep(0.3)
+        return {(m.topic, m.payload) for m in c.get_messages() if m.retain}
+    finally:
+        c.close()
 
 
 @ASYNC

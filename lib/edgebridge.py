@@ -15,7 +15,9 @@
 # <data_dir>/bridge-<name>.ebrq, big-endian, edgestore's conventions:
 #   header   45 42 52 51 "EBRQ" | 01 version | 00 00 00 reserved
 #   records  type (1) | length (4) | body | crc (4, CRC-32 of type+length+body)
-#     "M" 0x4D message: qos (1) | flags (1: 0x01 retain, 0x02 has expiry,
+#     "M" 0x4D message: seq (4, its number: the upstream packet id is
+#              seq % 65000 + 1, the same in every run) |
+#              qos (1) | flags (1: 0x01 retain, 0x02 has expiry,
 #              0x04 `latest` rule: only the newest of its topic is sent) |
 #              expiry (4, seconds left at the write) | wall (4, Unix seconds
 #              of the write, 0 = clock not set) | topic length (2) |
@@ -23,7 +25,11 @@
 #              props (5.0 forwarded property bytes) | payload (the rest)
 #     "K" 0x4B cursor: offset (4) of the first message not acknowledged
 #              upstream; every "M" before it was acknowledged (PUBACK, or
-#              PUBCOMP for QoS 2). The last "K" in the file wins.
+#              PUBCOMP for QoS 2) | next seq (4). The last "K" wins.
+#     "R" 0x52 released: seq (4) of a QoS 2 message the upstream answered
+#              with PUBREC, written and fsynced before our PUBREL leaves: after
+#              a restart it gets PUBREL again, never a second PUBLISH
+#              (exactly once with the upstream's persistent session).
 #   Any other type is skipped (length-prefixed). Append only.
 #
 # ------------------------------------------------------------ DURABILITY
@@ -75,11 +81,13 @@ VERSION = 1
 HEADER = b"EBRQ\x01\x00\x00\x00"
 T_MSG = const(0x4D)
 T_CURSOR = const(0x4B)
+T_REL = const(0x52)
+_PIDS = const(65000)   # queue packet ids 1..65000; the link's own above
 F_RETAIN = const(1)
 F_EXP = const(2)
 F_LATEST = const(4)
 _HDR = const(8)
-_MHEAD = const(16)     # message body bytes before topic, props, payload
+_MHEAD = const(20)     # message body bytes before topic, props, payload
 _U32 = const(0xFFFFFFFF)
 _EINPROGRESS = (115, 36, 119)  # Linux, BSD/macOS, lwIP
 
@@ -90,22 +98,22 @@ def record(rt, body):
     return h + body + pack(">I", _crc32(body, _crc32(h)) & _U32)
 
 
-def msg_body(qos, flags, exp, wall, topic_b, props, payload):
-    return pack(">BBIIHI", qos, flags, exp, wall, len(topic_b), len(props)) \
+def msg_body(seq, qos, flags, exp, wall, topic_b, props, payload):
+    return pack(">IBBIIHI", seq, qos, flags, exp, wall, len(topic_b), len(props)) \
         + topic_b + props + payload
 
 
 def decode_msg(body):
-    """(qos, flags, expiry, wall, topic bytes, props, payload) or None."""
+    """(qos, flags, expiry, wall, topic bytes, props, payload, seq) or None."""
     n = len(body)
     if n < _MHEAD:
         return None
-    qos, flags, exp, wall, tl, pl = unpack_from(">BBIIHI", body, 0)
+    seq, qos, flags, exp, wall, tl, pl = unpack_from(">IBBIIHI", body, 0)
     j = _MHEAD + tl
     if j + pl > n or qos > 2:
         return None
     return (qos, flags, exp, wall, bytes(body[_MHEAD:j]), bytes(body[j:j + pl]),
-            bytes(body[j + pl:]))
+            bytes(body[j + pl:]), seq)
 
 
 def read_record(f, pos, size):
@@ -269,6 +277,8 @@ class Queue:
         self.kdirty = False     # cursor moved since the last "K" record
         self.moved = None       # callback(delta) after a compaction
         self.created = False    # a new file (no earlier state to resume)
+        self.seq = 0            # the next message's number
+        self.rel = {}           # seqs of QoS 2 messages past PUBREC ("R" records)
         self._open()
 
     @property
@@ -310,8 +320,14 @@ class Queue:
                 break
             if rt == -1:
                 self.corrupt += 1
-            elif rt == T_CURSOR and len(body) == 4:
-                cur = unpack_from(">I", body, 0)[0]
+            elif rt == T_CURSOR and len(body) == 8:
+                cur, seq = unpack_from(">II", body, 0)
+                if seq > self.seq:
+                    self.seq = seq
+            elif rt == T_MSG and len(body) >= 4:
+                seq = unpack_from(">I", body, 0)[0] + 1
+                if seq > self.seq:
+                    self.seq = seq
             pos = nxt
         self.fend = pos
         if cur > pos:
@@ -332,6 +348,8 @@ class Queue:
                 break
             if rt == T_MSG:
                 n += 1
+            elif rt == T_REL and len(body) == 4:
+                self.rel[unpack_from(">I", body, 0)[0]] = 1
             pos = nxt
         self.count = n
 
@@ -348,8 +366,9 @@ class Queue:
     # -------------------------------------------------------------- writing
     def append(self, qos, flags, exp, wall, topic_b, props, payload):
         """Appends one message; False when the full policy refused it."""
-        rec = record(T_MSG, msg_body(qos, flags, exp, wall, topic_b, props, payload))
-        n = len(rec)
+        rec = record(T_MSG, msg_body(self.seq, qos, flags, exp, wall, topic_b, props, payload))
+        # room for the record and the cursor record the next commit may add
+        n = len(rec) + 17
         if self.nbytes + n > self.budget:
             if not self.drop_oldest or n > self.budget:
                 self.drops += 1
@@ -358,6 +377,7 @@ class Queue:
                 self._drop_first()
         self.wb.extend(rec)
         self.count += 1
+        self.seq = (self.seq + 1) & 0x3FFFFFFF
         return True
 
     def _drop_first(self):
@@ -400,7 +420,7 @@ class Queue:
         fsyncs when sync: OSError on failure (the held acks are not sent)."""
         if self.kdirty:
             self.kdirty = False
-            self.wb.extend(record(T_CURSOR, pack(">I", self.cursor)))
+            self.wb.extend(record(T_CURSOR, pack(">II", self.cursor, self.seq)))
         if not self.wb:
             return
         f = self.f
@@ -415,7 +435,7 @@ class Queue:
             f.flush()
         self.fend += n
         self.wb = bytearray()
-        dead = self.cursor - _HDR
+        dead = self.cursor - _HDR - 17
         if dead >= self.min_bytes and dead >= self.ratio * self.fend:
             self.compact()
 
@@ -428,6 +448,8 @@ class Queue:
         new = path + ".new"
         g = open(new, "wb")
         g.write(HEADER)
+        # the message numbering goes on from where it was (packet ids)
+        g.write(record(T_CURSOR, pack(">II", _HDR, self.seq)))
         f = self.f
         pos = self.cursor
         while pos < self.fend:
@@ -441,14 +463,19 @@ class Queue:
         g.close()
         f.close()
         _rename(new, path)
-        delta = self.cursor - _HDR
+        delta = self.cursor - _HDR - 17
         self.f = open(path, "r+b")
         self.fend -= delta
-        self.cursor = _HDR
+        self.cursor = _HDR + 17
         self.kdirty = False
         if self.moved is not None and delta:
             self.moved(delta)
         return delta
+
+    def released(self, seq):
+        # PUBREC came for QoS 2 message seq: recorded before PUBREL goes
+        self.wb.extend(record(T_REL, pack(">I", seq)))
+        self.rel[seq] = 1
 
     def close(self):
         if self.f is not None:
@@ -468,6 +495,7 @@ _I_END = const(2)    # offset after it
 _I_ACK = const(3)    # 0 sent, 1 acknowledged, 2 PUBREC came (QoS 2: PUBREL sent)
 _I_N = const(4)      # messages it accounts for (itself + skipped ones before it)
 _I_QOS = const(5)
+_I_SEQ = const(6)
 
 
 class _Down(Exception):
@@ -528,6 +556,7 @@ class Bridge:
         self._rebuild_latest()
         if self.q.created:
             self._initial_sync()
+        self.relq = []           # PUBRELs waiting for their "R" records' commit
         self.connects = 0        # successful connections this run
         self.maxqos = 2
         self.last_ping = 0
@@ -601,7 +630,7 @@ class Bridge:
             e[_I_END] -= delta
         lx = self.latest
         for h in list(lx):
-            if lx[h] < delta + _HDR:
+            if lx[h] < delta + _HDR + 17:
                 del lx[h]  # before the cursor: gone with the dead prefix
             else:
                 lx[h] -= delta
@@ -680,9 +709,10 @@ class Bridge:
         self.sent += 1
 
     def _pid(self):
+        # the link's own packet ids (status, SUBSCRIBE): 65001..65535
         p = self.next_pid
         while True:
-            p = p % 65535 + 1
+            p = p + 1 if _PIDS < p < 65535 else _PIDS + 1
             if p not in self.pids:
                 self.next_pid = p
                 return p
@@ -715,7 +745,7 @@ class Bridge:
             if m is None:
                 self.skipn += 1
                 continue
-            qos, flags, exp, w, tb, props, payload = m
+            qos, flags, exp, w, tb, props, payload, seq = m
             if flags & F_LATEST and self._superseded(tb, pos):
                 self.lskip += 1
                 self.skipn += 1
@@ -734,12 +764,21 @@ class Bridge:
                     continue
             else:
                 exp = -1
-            pid = self._pid()
-            e = [pid, pos, nxt, 0, self.skipn + 1, qos]
+            pid = seq % _PIDS + 1
+            if pid in self.pids:
+                self.sendpos = pos  # its id is still in flight: wait for the ack
+                return
+            e = [pid, pos, nxt, 0, self.skipn + 1, qos, seq]
             self.skipn = 0
             self.inflight.append(e)
             self.pids[pid] = e
-            self._publish(tb, qos, flags & F_RETAIN, pid, props, exp, payload, pos < self.hiwater)
+            if qos == 2 and seq in q.rel:
+                # PUBREC came before a restart: only PUBREL is left (4.3.3)
+                e[_I_ACK] = 2
+                self.out += b"\x62\x02" + eb.u16(pid)
+            else:
+                self._publish(tb, qos, flags & F_RETAIN, pid, props, exp, payload,
+                              pos < self.hiwater)
             if rate:
                 self.tokens -= 1
 
@@ -754,11 +793,16 @@ class Bridge:
         if e is None:
             return
         if e[_I_QOS] == 2 and not comp:
-            # PUBREC: release it (MQTT-4.3.3); the cursor waits for PUBCOMP
-            e[_I_ACK] = 2
-            self.out += b"\x62\x02" + eb.u16(pid)
+            # PUBREC: release it (MQTT-4.3.3) once the "R" record is on
+            # flash (see _parsed); the cursor waits for PUBCOMP
+            if e[_I_ACK] == 0:
+                e[_I_ACK] = 2
+                self.q.released(e[_I_SEQ])
+            self.relq.append(pid)
             return
         del self.pids[pid]
+        if e[_I_QOS] == 2:
+            self.q.rel.pop(e[_I_SEQ], None)
         e[_I_ACK] = 1
         self.acked += 1
         inf = self.inflight
@@ -783,11 +827,10 @@ class Bridge:
     def _connect_packet(self):
         c = self.c
         ver = c["protocol"]
-        # Clean Start on the first connection of a run (the upstream may
-        # hold QoS 2 state for packet ids this run would reuse), then a
-        # persistent session: in-flight QoS 2 exchanges and subscriptions
-        # survive an outage (MQTT-3.1.2-4/5)
-        flags = 0 if self.connects else 0x02
+        # A persistent session (MQTT-3.1.2-4/5): in-flight QoS 2 exchanges
+        # and subscriptions survive outages and restarts; packet ids come
+        # from the queue's message numbers, the same in every run
+        flags = 0
         body = bytearray(eb.mqstr("MQTT") + bytes((ver,)))
         payload = bytearray(eb.mqstr(c["client_id"]))
         if c["status"]:
@@ -946,7 +989,7 @@ class Bridge:
     def _pid_status(self):
         # a packet id outside the queue's: its acks match no entry
         p = self._pid()
-        self.pids[p] = [p, 0, 0, 1, 0, 0]
+        self.pids[p] = [p, 0, 0, 1, 0, 0, 0]
         return p
 
     def _restart(self):
@@ -963,7 +1006,7 @@ class Bridge:
         if m is None:
             e[_I_ACK] = 1
             return
-        qos, flags, exp, w, tb, props, payload = m
+        qos, flags, exp, w, tb, props, payload, seq = m
         self._publish(tb, e[_I_QOS], flags & F_RETAIN, e[_I_PID], props,
                       exp if flags & F_EXP else -1, payload, True)
 
@@ -1036,6 +1079,12 @@ class Bridge:
                 self.last_rx = clock()
                 self.rbuf += mv[:n]
                 self._parse()
+                if self.relq:
+                    # the "R" records reach flash before any PUBREL leaves
+                    self.q.commit(True)
+                    for pid in self.relq:
+                        self.out += b"\x62\x02" + eb.u16(pid)
+                    self.relq = []
                 self._kick()
         except Exception as e:
             self.rerr = e
@@ -1154,6 +1203,7 @@ class Bridge:
         self.up = False
         self.out = bytearray()
         self.in2 = {}
+        self.relq = []
         eb._io_forget(s)
         try:
             s.close()
