@@ -10,6 +10,7 @@ interp x server parametrisation for this module (the poll server refuses a
 profile with bridges: test_poll_server_refuses_bridges).
 """
 
+import getpass
 import json
 import os
 import select
@@ -43,6 +44,9 @@ class Upstream:
         self.conf = self.dir / "mosquitto.conf"
         self.conf.write_text(
             "listener %d 127.0.0.1\n"
+            # started as root, mosquitto would switch to its own user, which
+            # cannot write its database into tmp_path: stay who we are
+            "user %s\n"
             "allow_anonymous true\n"
             "persistence true\n"
             "persistence_location %s/\n"
@@ -50,7 +54,7 @@ class Upstream:
             "max_keepalive 65535\n"
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\nlog_type information\n"
-            "%s" % (self.port, self.dir, extra))
+            "%s" % (self.port, getpass.getuser(), self.dir, extra))
         self.proc = None
         self.runs = 0
 
@@ -172,6 +176,7 @@ class Proxy:
         self.ls.listen(4)
         self.port = self.ls.getsockname()[1]
         self.frozen = False
+        self.refuse = False  # accept and close at once (the upstream is away)
         self.stopped = False
         self.pairs = []
         self.inflight = set()
@@ -233,6 +238,9 @@ class Proxy:
             for s in r:
                 if s is self.ls:
                     a, _ = self.ls.accept()
+                    if self.refuse:
+                        a.close()
+                        continue
                     try:
                         b = socket.create_connection(("127.0.0.1", self.target))
                     except OSError:
@@ -325,6 +333,21 @@ def wait_connected(gw, n=1, timeout=15):
     assert ok, gw.log_text()[-3000:]
 
 
+def go_down(gw, up, px):
+    """The upstream stops; the proxy turns the bridge away until come_back()."""
+    px.refuse = True
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
+
+
+def come_back(gw, up, px, col, n=2):
+    """The upstream starts, the collector reconnects first, then the bridge."""
+    up.start()
+    assert wait_for(lambda: col.c.is_connected(), 10)
+    px.refuse = False
+    wait_connected(gw, n, timeout=20)
+
+
 def arrived(col):
     """Distinct (topic, payload) pairs the collector got, status excluded."""
     return {(t, p) for t, p, *_ in col.get() if not t.endswith("/status")}
@@ -390,19 +413,29 @@ def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collec
 
 
 @ASYNC
-def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, collector):
+def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, collector, proxy):
+    """The upstream stops while 2,000 QoS 1 messages are published locally
+    (every one acknowledged locally), then starts again: every one arrives,
+    per-topic order kept. The bridge reaches the upstream through a proxy
+    that turns connections away until the collector is back, so the test
+    does not depend on the upstream queueing for an offline subscriber."""
     up = upstream()
     col = collector(up.port)
-    gw = gateway(broker_factory, [bridge(up.port, OUT)])
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT)])
     wait_connected(gw)
+    px.refuse = True
     up.stop()
     assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
     sent = [("sensors/s%d" % (i % 7), b"%d" % i) for i in range(2000)]
     publish_many(gw.port, sent)
+    assert bridge_state(gw.port)["backlog"] == 2000
     up.start()
+    assert wait_for(lambda: col.c.is_connected(), 10)
+    px.refuse = False
     wait_connected(gw, 2, timeout=20)
     want = [("site1/gw1/" + t, p) for t, p in sent]
-    assert wait_for(lambda: len(col.get()) >= len(want), 40), len(col.get())
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 40), (len(arrived(col)), bridge_state(gw.port))
     check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
 
 
@@ -563,20 +596,19 @@ def test_status_topics_local_and_upstream(broker_factory, upstream, collector):
 
 
 @ASYNC
-def test_latest_mode_sends_only_the_newest_per_topic(broker_factory, upstream, collector):
+def test_latest_mode_sends_only_the_newest_per_topic(broker_factory, upstream, collector, proxy):
     up = upstream()
     col = collector(up.port)
+    px = proxy(up.port)
     rules = [{"pattern": "state/#", "qos": 1, "remote_prefix": "gw/", "mode": "latest"}] + OUT
-    gw = gateway(broker_factory, [bridge(up.port, rules)])
+    gw = gateway(broker_factory, [bridge(px.port, rules)])
     wait_connected(gw)
-    up.stop()
-    assert gw.wait_log("bridge cloud: link down", 15)
+    go_down(gw, up, px)
     msgs = []
     for i in range(50):
         msgs += [("state/a", b"a%d" % i), ("state/b", b"b%d" % i), ("sensors/q", b"%d" % i)]
     publish_many(gw.port, msgs)
-    up.start()
-    wait_connected(gw, 2, timeout=20)
+    come_back(gw, up, px, col)
     assert wait_for(lambda: sum(1 for m in col.get() if m[0] == "site1/gw1/sensors/q") >= 50, 20)
     time.sleep(0.5)
     got = [(t, p) for t, p, *_ in col.get()]
@@ -626,21 +658,20 @@ def retained_upstream(port, filt):
 
 @ASYNC
 @pytest.mark.parametrize("when_full", ["drop_oldest", "refuse"])
-def test_full_queue_policy_holds_and_counts_drops(broker_factory, upstream, collector, when_full):
+def test_full_queue_policy_holds_and_counts_drops(broker_factory, upstream, collector, proxy, when_full):
     up = upstream()
     col = collector(up.port)
-    gw = gateway(broker_factory, [bridge(up.port, OUT, queue_bytes=4096, when_full=when_full)])
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT, queue_bytes=4096, when_full=when_full)])
     wait_connected(gw)
-    up.stop()
-    assert gw.wait_log("bridge cloud: link down", 15)
+    go_down(gw, up, px)
     sent = [("sensors/f", b"%04d" % i + b"x" * 60) for i in range(200)]
     publish_many(gw.port, sent)  # every one acknowledged locally all the same
     st = bridge_state(gw.port)
     assert st["backlog_bytes"] <= 4096
     assert st["drops"] == 200 - st["backlog"] and st["backlog"] > 10
     n = st["backlog"]
-    up.start()
-    wait_connected(gw, 2, timeout=20)
+    come_back(gw, up, px, col)
     assert wait_for(lambda: len([m for m in col.get() if m[0] == "site1/gw1/sensors/f"]) >= n, 20)
     time.sleep(0.3)
     got = [p for t, p, *_ in col.get() if t == "site1/gw1/sensors/f"]
@@ -650,18 +681,18 @@ def test_full_queue_policy_holds_and_counts_drops(broker_factory, upstream, coll
 
 
 @ASYNC
-def test_queue_file_is_compacted_after_a_drain(broker_factory, upstream, collector):
+def test_queue_file_is_compacted_after_a_drain(broker_factory, upstream, collector, proxy):
     up = upstream()
     col = collector(up.port)
-    gw = gateway(broker_factory, [bridge(up.port, OUT)], compact_min_bytes=4096)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT)], compact_min_bytes=4096)
     wait_connected(gw)
-    up.stop()
-    assert gw.wait_log("bridge cloud: link down", 15)
+    go_down(gw, up, px)
     sent = [("sensors/c", b"%d" % i + b"y" * 200) for i in range(500)]
     publish_many(gw.port, sent)
     qf = Path(gw.data_dir) / "bridge-cloud.ebrq"
     assert qf.stat().st_size > 500 * 200
-    up.start()
+    come_back(gw, up, px, col)
     assert wait_for(lambda: len([m for m in col.get() if m[0] == "site1/gw1/sensors/c"]) >= 500, 30)
     # the acknowledged prefix is dropped: the file shrinks to a few records
     assert wait_for(lambda: qf.stat().st_size < 8192, 10), qf.stat().st_size
