@@ -697,3 +697,77 @@ def test_queue_file_is_compacted_after_a_drain(broker_factory, upstream, collect
     # the acknowledged prefix is dropped: the file shrinks to a few records
     assert wait_for(lambda: qf.stat().st_size < 8192, 10), qf.stat().st_size
     assert qf.read_bytes()[:5] == b"EBRQ\x01"
+
+
+def make_certs(d):
+    """A CA, a server certificate for localhost and a client certificate
+    (EC P-256, two days), made with the openssl command line."""
+    d.mkdir(exist_ok=True)
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=str(d), check=True, capture_output=True, timeout=30)
+
+    ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=edgebroker test CA")
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost\n")
+    for name in ("server", "client"):
+        ssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", name + ".key", "-out", name + ".csr", "-subj", "/CN=" + (
+                "localhost" if name == "server" else "gateway"))
+        ssl("x509", "-req", "-in", name + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", name + ".pem", "-days", "2", "-extfile", "san.ext")
+    return d
+
+
+@ASYNC
+@pytest.mark.parametrize("client_cert", [False, True])
+def test_tls_forwarding_and_inbound(broker_factory, upstream, collector, tmp_path, client_cert):
+    """TLS to the upstream with certificates made at test time: the upstream
+    verified against the CA (and, with client_cert, the gateway verified by
+    its certificate); forwarding both ways works as over plain TCP."""
+    from mqtt_helpers import paho_client
+
+    certs = make_certs(tmp_path / "certs")
+    tls_port = free_port()
+    extra = ("listener %d 127.0.0.1\ncafile %s\ncertfile %s\nkeyfile %s\n"
+             % (tls_port, certs / "ca.pem", certs / "server.pem", certs / "server.key"))
+    if client_cert:
+        extra += "require_certificate true\n"
+    up = upstream(extra)
+    col = collector(up.port)
+    tls = {"ca": str(certs / "ca.pem"), "server_hostname": "localhost"}
+    if client_cert:
+        tls.update(cert=str(certs / "client.pem"), key=str(certs / "client.key"))
+    rules = OUT + [{"pattern": "cmd/#", "direction": "in", "qos": 1, "remote_prefix": "site1/gw1/"}]
+    gw = gateway(broker_factory, [bridge(tls_port, rules, tls=tls)])
+    wait_connected(gw)
+    local = paho_client(gw.port, "local")
+    local.subscribe_wait("cmd/#", qos=1)
+    sent = [("sensors/tls", b"%d" % i) for i in range(200)]
+    publish_many(gw.port, sent)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 20), len(arrived(col))
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    cloud = paho_client(up.port, "cloud")
+    cloud.publish_wait("site1/gw1/cmd/x", b"over tls", qos=1)
+    assert local.wait_messages(1, timeout=10)
+    assert local.get_messages()[0].payload == b"over tls"
+    local.close()
+    cloud.close()
+
+
+@ASYNC
+def test_tls_with_the_wrong_ca_never_connects(broker_factory, upstream, tmp_path):
+    certs = make_certs(tmp_path / "certs")
+    other = make_certs(tmp_path / "other")
+    tls_port = free_port()
+    up = upstream("listener %d 127.0.0.1\ncafile %s\ncertfile %s\nkeyfile %s\n"
+                  % (tls_port, certs / "ca.pem", certs / "server.pem", certs / "server.key"))
+    assert up
+    gw = gateway(broker_factory, [bridge(tls_port, OUT, tls={
+        "ca": str(other / "ca.pem"), "server_hostname": "localhost"})])
+    assert gw.wait_log("bridge cloud: link down", 15)
+    publish_many(gw.port, [("sensors/x", b"1")])
+    st = bridge_state(gw.port)
+    assert st["connected"] is False and st["backlog"] == 1 and st["last_error"]
+    assert "bridge cloud: connected" not in gw.log_text()

@@ -926,6 +926,8 @@ class Bridge:
             s.setsockopt(eb._IPPROTO_TCP, eb._TCP_NODELAY, 1)
         except (OSError, AttributeError):
             pass
+        if c["tls"]:
+            s = self.sock = await self._tls(aio, s, clock() + c["connect_timeout"])
         self.rbuf = bytearray()
         self.connack = None
         self.out = bytearray(self._connect_packet())
@@ -1052,6 +1054,47 @@ class Bridge:
                 t = 1 / c["replay_rate"]
             await self._wait(aio, t)
 
+    async def _tls(self, aio, s, deadline):
+        """TLS over the connected socket, the upstream verified against the
+        profile's CA. CPython: a non-blocking handshake driven by the event
+        loop. MicroPython: its ssl module has no do_handshake(), so the
+        handshake is one blocking call bounded by connect_timeout (local
+        clients wait meanwhile: README, Bridge to the cloud)."""
+        import ssl
+        t = self.c["tls"]
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        name = t.get("server_hostname") or self.c["host"]
+        if not hasattr(ssl, "SSLWantReadError"):  # MicroPython
+            # its mbedtls may be built without PEM: DER from the files
+            ctx.load_verify_locations(cadata=_der(t["ca"]))
+            if t.get("cert"):
+                ctx.load_cert_chain(_der(t["cert"]), _der(t.get("key") or t["cert"]))
+            s.setblocking(True)
+            try:
+                s.settimeout(max(1, deadline - self.broker.clock()))
+            except (AttributeError, OSError):
+                pass
+            ss = ctx.wrap_socket(s, server_hostname=name)
+            ss.setblocking(False)
+            return ss
+        ctx.load_verify_locations(cafile=t["ca"])
+        if t.get("cert"):
+            ctx.load_cert_chain(t["cert"], t.get("key"))
+        ss = ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
+        while True:
+            try:
+                ss.do_handshake()
+                return ss
+            except ssl.SSLWantReadError:
+                w = False
+            except ssl.SSLWantWriteError:
+                w = True
+            left = deadline - self.broker.clock()
+            if left <= 0:
+                raise _Down("TLS handshake over connect_timeout")
+            await aio.wait_for(_wait_io(ss, w), left)
+
     def _flush(self):
         o = self.out
         if not o or self.sock is None:
@@ -1059,7 +1102,7 @@ class Bridge:
         try:
             n = self.sock.send(o)
         except OSError as e:
-            if e.args[0] in eb._EAGAIN:
+            if _blocked(e):
                 return
             raise
         if n:
@@ -1068,11 +1111,18 @@ class Bridge:
     async def _reader(self, s, clock):
         self.rerr = None
         mv = memoryview(bytearray(4096))
+        pending = getattr(s, "pending", None)  # CPython TLS: bytes decrypted, not yet read
         try:
             while True:
-                await eb._io_wait(s, False)
-                n = eb._recv_into(s, mv)
-                if n < 0:
+                if pending is None or not pending():
+                    await eb._io_wait(s, False)
+                try:
+                    n = eb._recv_into(s, mv)
+                except OSError as e:
+                    if not _blocked(e):
+                        raise
+                    n = -1
+                if n is None or n < 0:
                     continue
                 if n == 0:
                     raise _Down("closed by upstream")
@@ -1262,6 +1312,29 @@ def _why(e):
 
 async def _writable(s):
     await eb._io_wait(s, True)
+
+
+async def _wait_io(s, write):
+    await eb._io_wait(s, write)
+
+
+def _der(path):
+    """A certificate or key file's first PEM block as DER (or the file as
+    it is when it is DER already)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    i = data.find(b"-----BEGIN")
+    if i < 0:
+        return data
+    i = data.find(b"\n", i) + 1
+    j = data.find(b"-----END", i)
+    return binascii.a2b_base64(data[i:j].replace(b"\n", b"").replace(b"\r", b""))
+
+
+def _blocked(e):
+    # would block: EAGAIN, or TLS wanting to read or write first (CPython)
+    return (e.args and e.args[0] in eb._EAGAIN) or type(e).__name__ in (
+        "SSLWantReadError", "SSLWantWriteError")
 
 
 def _so_error(s):
