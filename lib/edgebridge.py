@@ -449,16 +449,21 @@ class Queue:
         g = open(new, "wb")
         g.write(HEADER)
         # the message numbering goes on from where it was (packet ids)
-        g.write(record(T_CURSOR, pack(">II", _HDR, self.seq)))
+        g.write(record(T_CURSOR, pack(">II", _HDR + 17, self.seq)))
         f = self.f
         pos = self.cursor
         while pos < self.fend:
-            f.seek(pos)
-            chunk = f.read(min(4096, self.fend - pos))
-            if not chunk:
+            # record by record: an old cursor record holds an old offset, so
+            # it is rewritten (same length: offsets move by one delta)
+            rt, body, nxt = read_record(f, pos, self.fend)
+            if rt is None:
                 break
-            g.write(chunk)
-            pos += len(chunk)
+            if rt == T_CURSOR and len(body) == 8:
+                g.write(record(T_CURSOR, pack(">II", _HDR + 17, self.seq)))
+            else:
+                f.seek(pos)
+                g.write(f.read(nxt - pos))
+            pos = nxt
         _sync(g)
         g.close()
         f.close()
@@ -1342,6 +1347,86 @@ def _so_error(s):
         return s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     except (AttributeError, OSError):
         return 0  # MicroPython: the first send reports a refused connect
+
+
+# ---------------------------------------------------------------- inspect
+def inspect(path, limit=20):
+    """A read-only report of a queue file (host tools: `edgebroker store
+    inspect`): header, cursor, backlog (messages, bytes, the first `limit`),
+    dead bytes before the cursor, torn tail and corrupt records, QoS 2
+    messages past PUBREC. The decisions are the ones Queue makes at open."""
+    size = _size(path)
+    rep = {"path": path, "file_bytes": max(size, 0), "kind": "missing", "records": 0,
+           "by_type": {}, "cursor": _HDR, "next_seq": 0, "backlog": 0, "backlog_bytes": 0,
+           "dead_bytes": 0, "torn_offset": None, "torn_bytes": 0, "corrupt": 0,
+           "corrupt_offsets": [], "released": 0, "first": []}
+    if size < 0:
+        return rep
+    with open(path, "rb") as f:
+        head = f.read(_HDR)
+        if size < _HDR:
+            rep["kind"] = "partial" if head == HEADER[:size] else "bad_magic"
+            return rep
+        if head[:4] != MAGIC:
+            rep["kind"] = "bad_magic"
+            return rep
+        if head[4] != VERSION:
+            rep["kind"] = "future_version" if head[4] > VERSION else "bad_version"
+            return rep
+        rep["kind"] = "ok"
+        pos = _HDR
+        cur = _HDR
+        seq = 0
+        rel = {}
+        by = rep["by_type"]
+        while pos < size:
+            rt, body, nxt = read_record(f, pos, size)
+            if rt is None:
+                rep["torn_offset"] = pos
+                rep["torn_bytes"] = size - pos
+                break
+            rep["records"] += 1
+            if rt == -1:
+                rep["corrupt"] += 1
+                rep["corrupt_offsets"].append(pos)
+                pos = nxt
+                continue
+            k = chr(rt) if 32 < rt < 127 else "0x%02x" % rt
+            by[k] = by.get(k, 0) + 1
+            if rt == T_CURSOR and len(body) == 8:
+                cur, s2 = unpack_from(">II", body, 0)
+                seq = max(seq, s2)
+            elif rt == T_MSG and len(body) >= 4:
+                seq = max(seq, unpack_from(">I", body, 0)[0] + 1)
+            elif rt == T_REL and len(body) == 4:
+                rel[unpack_from(">I", body, 0)[0]] = 1
+            pos = nxt
+    # the backlog: from the cursor on
+    n = nb = 0
+    first = []
+    with open(path, "rb") as f:
+        p2 = cur
+        end = rep["torn_offset"] if rep["torn_offset"] is not None else size
+        while p2 < end:
+            rt, body, nxt = read_record(f, p2, end)
+            if rt is None:
+                break
+            if rt == T_MSG:
+                m = decode_msg(body)
+                if m is not None:
+                    n += 1
+                    nb += nxt - p2
+                    if len(first) < limit:
+                        first.append({"offset": p2, "seq": m[7], "qos": m[0],
+                                      "retain": bool(m[1] & F_RETAIN),
+                                      "latest": bool(m[1] & F_LATEST),
+                                      "topic": str(m[4], "utf-8"), "payload_bytes": len(m[6]),
+                                      "props_bytes": len(m[5]), "wall": m[3] or None,
+                                      "released": m[7] in rel})
+            p2 = nxt
+    rep.update(cursor=cur, next_seq=seq, backlog=n, backlog_bytes=nb, dead_bytes=cur - _HDR,
+               released=len(rel), first=first)
+    return rep
 
 
 # ---------------------------------------------------------------- 5. attach
