@@ -89,6 +89,7 @@ F_LATEST = const(4)
 _HDR = const(8)
 _MHEAD = const(20)     # message body bytes before topic, props, payload
 _U32 = const(0xFFFFFFFF)
+_RA = const(8192)      # read-ahead of the drain (bytes of heap while it runs)
 _EINPROGRESS = (115, 36, 119)  # Linux, BSD/macOS, lwIP
 
 
@@ -277,6 +278,8 @@ class Queue:
         self.kdirty = False     # cursor moved since the last "K" record
         self.moved = None       # callback(delta) after a compaction
         self.created = False    # a new file (no earlier state to resume)
+        self.rb = None          # read-ahead: bytes of the file from rb_off
+        self.rb_off = 0
         self.seq = 0            # the next message's number
         self.rel = {}           # seqs of QoS 2 messages past PUBREC ("R" records)
         self._open()
@@ -403,6 +406,28 @@ class Queue:
                 return None, None, pos
             blen = unpack_from(">I", wb, i + 1)[0]
             return wb[i], memoryview(wb)[i + 5:i + 5 + blen], pos + 9 + blen
+        rb = self.rb
+        i = pos - self.rb_off
+        if rb is not None and 0 <= i and i + 5 <= len(rb):
+            blen = unpack_from(">I", rb, i + 1)[0]
+            end = i + 9 + blen
+            if end <= len(rb):
+                body = memoryview(rb)[i + 5:i + 5 + blen]
+                if _crc32(body, _crc32(memoryview(rb)[i:i + 5])) & _U32 \
+                        != unpack_from(">I", rb, i + 5 + blen)[0]:
+                    return -1, None, pos + 9 + blen
+                return rb[i], body, pos + 9 + blen
+        # read ahead: the drain reads the file front to back, and one read
+        # of a few KB costs less than two small reads per record
+        n = min(_RA, self.fend - pos)
+        if n >= 9:
+            f = self.f
+            f.seek(pos)
+            self.rb = f.read(n)
+            self.rb_off = pos
+            blen = unpack_from(">I", self.rb, 1)[0]
+            if 9 + blen <= len(self.rb):
+                return self.read(pos)
         return read_record(self.f, pos, self.fend)
 
     def advance(self, pos, n):
@@ -468,6 +493,7 @@ class Queue:
         g.close()
         f.close()
         _rename(new, path)
+        self.rb = None
         delta = self.cursor - _HDR - 17
         self.f = open(path, "r+b")
         self.fend -= delta
@@ -695,21 +721,28 @@ class Bridge:
 
     # ------------------------------------------------------------ writing
     def _publish(self, tb, qos, retain, pid, props, exp, payload, dup):
-        ver5 = self.c["protocol"] == 5
-        body = bytearray(eb.u16(len(tb)))
-        body += tb
-        if qos:
-            body += eb.u16(pid)
-        if ver5:
-            p = props
+        # written straight into the output buffer (the drain's hot path)
+        plen = len(props)
+        if self.c["protocol"] == 5:
             if exp >= 0:
-                p = eb.prop_u32(0x02, exp) + p  # Message Expiry Interval (3.3.2.3.3)
-            body += eb.vbi(len(p))
-            body += p
+                plen += 5  # Message Expiry Interval (3.3.2.3.3), the time left
+            pv = eb.vbi(plen) if plen > 127 else bytes((plen,))
+        else:
+            pv = b""
+            plen = 0
+        n = 2 + len(tb) + (2 if qos else 0) + len(pv) + plen + len(payload)
         o = self.out
         o.append(0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0))
-        o += eb.vbi(len(body) + len(payload))
-        o += body
+        o += eb.vbi(n) if n > 127 else bytes((n,))
+        o += pack(">H", len(tb))
+        o += tb
+        if qos:
+            o += pack(">H", pid)
+        if pv:
+            o += pv
+            if exp >= 0:
+                o += pack(">BI", 0x02, exp)
+            o += props
         o += payload
         self.sent += 1
 
@@ -948,13 +981,26 @@ class Bridge:
                     raise _Down("no CONNACK in connect_timeout")
                 await self._wait(aio, 0.2)
             self._connected(clock)
-            await self._serve(aio, clock, rd)
+            tk = aio.create_task(self._ticker(aio))
+            try:
+                await self._serve(aio, clock, rd)
+            finally:
+                tk.cancel()
         finally:
             rd.cancel()
             try:
                 await rd
             except BaseException:
                 pass
+
+    async def _ticker(self, aio):
+        # wakes the link for keep alive, the cursor record and the replay
+        # rate: one sleeping task instead of a timeout per wait
+        rate = self.c["replay_rate"]
+        period = 0.5 if not rate else max(0.01, min(0.5, 1 / rate))
+        while True:
+            await aio.sleep(period)
+            self.ev.set()
 
     def _connected(self, clock):
         sp, rc, props = self.connack
@@ -1035,7 +1081,9 @@ class Bridge:
     async def _serve(self, aio, clock, rd):
         c = self.c
         ka = c["keepalive"]
+        ev = self.ev
         while self.broker.running:
+            ev.clear()  # what happens from here on wakes the wait below
             if rd.done():
                 e = self.rerr
                 raise e if e is not None else _Down("closed by upstream")
@@ -1054,10 +1102,14 @@ class Bridge:
                 self.q.commit(False)
             if now - self.last_state >= 5:
                 self._state()
-            t = 1.0
-            if c["replay_rate"] and self.sendpos < self.q.fend:
-                t = 1 / c["replay_rate"]
-            await self._wait(aio, t)
+            if self.out:
+                # the socket is full: wait for room (or the ticker's wake)
+                try:
+                    await aio.wait_for(_writable(self.sock), 0.5)
+                except aio.TimeoutError:
+                    pass
+            else:
+                await ev.wait()
 
     async def _tls(self, aio, s, deadline):
         """TLS over the connected socket, the upstream verified against the
