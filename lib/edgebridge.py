@@ -73,7 +73,9 @@ except ImportError:  # a port without random: no jitter beyond the clock
 
 # ---------------------------------------------------------------- 1. compat
 _crc32 = binascii.crc32
-_fsync = getattr(os, "fsync", None)       # CPython; MicroPython flush() syncs
+# CPython: fdatasync where there is one (Linux): the data and the file size,
+# not the timestamps; MicroPython: flush() syncs (littlefs)
+_fsync = getattr(os, "fdatasync", None) or getattr(os, "fsync", None)
 _rename = getattr(os, "replace", os.rename)
 
 MAGIC = b"EBRQ"
@@ -927,6 +929,10 @@ class Bridge:
             d = min(c["retry_max"], c["retry_min"] * (1 << min(self.fails - 1, 16)))
             d = d / 2 + _jitter(d / 2)  # up to 50% jitter: gateways do not reconnect in step
             await aio.sleep(d)
+        # a board attempts only while its Wi-Fi is up (DNS and connect
+        # would fail anyway, and block on MicroPython)
+        while not _network_up():
+            await aio.sleep(1)
         # at most attempts_per_minute attempts in any minute
         now = clock()
         a = [t for t in self.attempts if now - t < 60]
@@ -1392,6 +1398,17 @@ def _blocked(e):
     # would block: EAGAIN, or TLS wanting to read or write first (CPython)
     return (e.args and e.args[0] in eb._EAGAIN) or type(e).__name__ in (
         "SSLWantReadError", "SSLWantWriteError")
+
+
+def _network_up():
+    """False only on a board whose station interface is not connected
+    (MicroPython's network module); hosts have no such module."""
+    try:
+        import network
+        sta = network.WLAN(network.STA_IF)
+        return not sta.active() or sta.isconnected()
+    except (ImportError, AttributeError, OSError, ValueError):
+        return True
 
 
 def _so_error(s):

@@ -52,6 +52,7 @@ from edgebroker_tools.mqttclient import Client, MqttError
 MOSQUITTO: Final = "/usr/sbin/mosquitto"
 PAYLOAD: Final = b"x" * 32
 INFLIGHT: Final = 20
+WINDOW = 64  # the local publisher's QoS 1 window (--window)
 
 
 def free_port() -> int:
@@ -351,7 +352,7 @@ def publish(port: int, n: int, start: int = 0, timeout: float = 600.0) -> float:
     pub.connect(keepalive=60)
     t0 = time.monotonic()
     items = ((f"sensors/s{i % 10}", f"{i}:".encode() + PAYLOAD) for i in range(start, start + n))
-    pub.publish_many(items, qos=1, window=64, timeout=timeout)
+    pub.publish_many(items, qos=1, window=WINDOW, timeout=timeout)
     took = time.monotonic() - t0
     pub.disconnect()
     return took
@@ -461,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     ap.add_argument("--only", default="", help="comma-separated edge kinds to run")
+    ap.add_argument("--window", type=int, default=64, help="local publisher's QoS 1 window")
     args = ap.parse_args(argv)
+    global WINDOW
+    WINDOW = max(1, args.window)
     if not Path(MOSQUITTO).exists():
         print(f"bench_bridge: {MOSQUITTO} is missing (tools/setup.sh installs it)", file=sys.stderr)
         return 2
@@ -486,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, sizes))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"sizes": sizes, "rows": rows}, indent=1))
+        result = {"sizes": sizes, "window": WINDOW, "rows": rows}
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
 
 
