@@ -200,13 +200,18 @@ def test_bad_bridge_fails_naming_its_key(tmp_path, name, bridges, value, allowed
     assert [e for e in errors if value in e and allowed in e], r.stderr
 
 
-def test_bridge_heap_and_flash_are_counted(tmp_path):
-    """One plain-TCP bridge fits the esp32 (small indexes); its heap and its
-    queue file show in the breakdown; TLS does not fit that heap."""
+def test_bridge_heap_code_and_flash_are_counted(tmp_path):
+    """A bridge's code (lib/edgebridge.py), heap and queue file are counted:
+    on the esp32 it needs ROMFS (bytecode in flash), then one plain-TCP
+    bridge fits; one TLS client does not fit that heap."""
     prof = esp32()
     prof["bridges"] = [BRIDGE]
-    r = config("check", "-v", str(write(tmp_path, "bridged", prof)), check=0)
+    r = config("check", "-v", str(write(tmp_path, "bridged", prof)), check=1)
+    assert "edgebridge" in r.stderr and "code_budget_bytes" in r.stderr
+    prof["romfs"] = True
+    r = config("check", "-v", str(write(tmp_path, "romfs", prof)), check=0)
     assert "bridge cloud" in r.stdout and "queue file + .new copy" in r.stdout
+    assert "edgebridge" in r.stdout
     prof["bridges"] = [_bridged(tls={"ca": "/ca.pem"})]
     r = config("check", "-v", str(write(tmp_path, "tls", prof)), check=1)
     assert "heap_bytes = 110000" in r.stderr and "bridge cloud" in r.stderr
