@@ -771,3 +771,57 @@ def test_tls_with_the_wrong_ca_never_connects(broker_factory, upstream, tmp_path
     st = bridge_state(gw.port)
     assert st["connected"] is False and st["backlog"] == 1 and st["last_error"]
     assert "bridge cloud: connected" not in gw.log_text()
+
+
+@ASYNC
+def test_mqtt_311_link_forwards_both_ways_without_echo(broker_factory, upstream, collector):
+    """protocol 4 (MQTT 3.1.1 upstream): forwarding out and in works; with
+    no No Local in 3.1.1, a `both` topic's own message coming back from the
+    upstream is not published locally a second time."""
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    col = collector(up.port)
+    rules = OUT + [
+        {"pattern": "cmd/#", "direction": "in", "qos": 1, "remote_prefix": "site1/gw1/"},
+        {"pattern": "echo/#", "direction": "both", "qos": 1, "remote_prefix": "site1/gw1/"},
+    ]
+    gw = gateway(broker_factory, [bridge(up.port, rules, protocol=4)])
+    wait_connected(gw)
+    local = paho_client(gw.port, "local4")
+    local.subscribe_wait("#", qos=1)
+    publish_many(gw.port, [("sensors/a", b"1"), ("echo/e", b"mine")])
+    assert wait_for(lambda: {("site1/gw1/sensors/a", b"1"), ("site1/gw1/echo/e", b"mine")}
+                    <= arrived(col), 10), col.get()
+    cloud = paho_client(up.port, "cloud4")
+    cloud.publish_wait("site1/gw1/cmd/go", b"now", qos=1)
+    assert wait_for(lambda: any(m.topic == "cmd/go" for m in local.get_messages()), 10)
+    time.sleep(1.0)
+    downs = [(m.topic, m.payload) for m in local.get_messages()]
+    assert downs.count(("echo/e", b"mine")) == 1, downs
+    assert [(t, p) for t, p, *_ in col.get()].count(("site1/gw1/echo/e", b"mine")) == 1
+    local.close()
+    cloud.close()
+
+
+@ASYNC
+def test_message_expiry_counts_the_time_in_the_queue(broker_factory, upstream, collector, proxy):
+    """A queued message whose Message Expiry passes during the outage is
+    never sent; one with time left goes up with the time left."""
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    col = collector(up.port)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT)])
+    wait_connected(gw)
+    go_down(gw, up, px)
+    pub = paho_client(gw.port, "exp-pub")
+    pub.publish_wait("sensors/short", b"gone", qos=1, properties={"MessageExpiryInterval": 1})
+    pub.publish_wait("sensors/long", b"kept", qos=1, properties={"MessageExpiryInterval": 3600})
+    pub.close()
+    time.sleep(2.5)
+    come_back(gw, up, px, col)
+    assert wait_for(lambda: ("site1/gw1/sensors/long", b"kept") in arrived(col), 10)
+    time.sleep(0.5)
+    assert ("site1/gw1/sensors/short", b"gone") not in arrived(col)

@@ -586,6 +586,7 @@ class Bridge:
         self.lskip = 0           # queued messages skipped: a newer one of their topic (latest)
         self.latest = {}         # latest mode: topic hash -> newest record offset
         self.lfull = 0           # latest topics beyond latest_topics
+        self.looped = 0          # 3.1.1: inbound messages dropped as possible echoes
         self._rebuild_latest()
         if self.q.created:
             self._initial_sync()
@@ -1297,6 +1298,14 @@ class Bridge:
         else:
             return False
         local = r["local_prefix"] + topic[len(r["remote_prefix"]):]
+        if self.c["protocol"] == 4:
+            # 3.1.1 has no No Local: a topic the bridge also sends up may be
+            # our own message coming back, so it is not published locally
+            for flev, r2 in self.outr:
+                if eb.topic_matches(flev, local) and \
+                        r2["remote_prefix"] + local[len(r2["local_prefix"]):] == topic:
+                    self.looped += 1
+                    return True
         self.inbound = True
         try:
             self.broker.publish(local, payload, min(qos, r["qos"]), bool(retain), props or None)
@@ -1350,7 +1359,8 @@ class Bridge:
                 pos = nxt
         d = {"connected": self.up, "backlog": q.count, "backlog_bytes": q.nbytes,
              "oldest_age": age, "drops": q.drops, "dropped_qos0": self.dropped0,
-             "latest_skipped": self.lskip, "sent": self.sent, "acked": self.acked,
+             "latest_skipped": self.lskip, "echo_dropped": self.looped,
+             "sent": self.sent, "acked": self.acked,
              "last_error": self.err}
         return self.eng.make_msg("$SYS/broker/bridge/%s/state" % self.name,
                                  json.dumps(d).encode(), 0, b"", 0)
