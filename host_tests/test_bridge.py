@@ -177,6 +177,7 @@ class Proxy:
         self.port = self.ls.getsockname()[1]
         self.frozen = False
         self.refuse = False  # accept and close at once (the upstream is away)
+        self.accepts = 0     # connection attempts that reached the proxy
         self.stopped = False
         self.pairs = []
         self.inflight = set()
@@ -238,6 +239,7 @@ class Proxy:
             for s in r:
                 if s is self.ls:
                     a, _ = self.ls.accept()
+                    self.accepts += 1
                     if self.refuse:
                         a.close()
                         continue
@@ -825,3 +827,20 @@ def test_message_expiry_counts_the_time_in_the_queue(broker_factory, upstream, c
     assert wait_for(lambda: ("site1/gw1/sensors/long", b"kept") in arrived(col), 10)
     time.sleep(0.5)
     assert ("site1/gw1/sensors/short", b"gone") not in arrived(col)
+
+
+@ASYNC
+def test_reconnect_attempts_back_off_and_are_bounded_per_minute(broker_factory, upstream, proxy):
+    """An upstream that closes every connection at once: the bridge backs
+    off and never attempts more than attempts_per_minute in a minute."""
+    up = upstream()
+    px = proxy(up.port)
+    px.refuse = True
+    gw = gateway(broker_factory, [bridge(px.port, OUT, retry_min=1, retry_max=1,
+                                         attempts_per_minute=3)])
+    time.sleep(6.0)
+    assert 2 <= px.accepts <= 3, px.accepts
+    assert gw.log_text().count("bridge cloud: link down") == px.accepts
+    px.refuse = False
+    time.sleep(3.0)
+    assert "bridge cloud: connected" not in gw.log_text()  # the minute is not over yet
