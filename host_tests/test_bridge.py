@@ -844,3 +844,40 @@ def test_reconnect_attempts_back_off_and_are_bounded_per_minute(broker_factory, 
     px.refuse = False
     time.sleep(3.0)
     assert "bridge cloud: connected" not in gw.log_text()  # the minute is not over yet
+
+
+@ASYNC
+def test_inbound_larger_than_max_packet_size_is_not_sent_to_the_gateway(broker_factory, upstream):
+    """The bridge tells the upstream its Maximum Packet Size (5.0): a larger
+    message is dropped by the upstream, the link stays up, the next one comes."""
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    rules = [{"pattern": "cmd/#", "direction": "in", "qos": 1, "remote_prefix": "site1/gw1/"}]
+    gw = gateway(broker_factory, [bridge(up.port, rules)], max_packet_size=1024)
+    wait_connected(gw)
+    local = paho_client(gw.port, "local-big")
+    local.subscribe_wait("cmd/#", qos=1)
+    cloud = paho_client(up.port, "cloud-big")
+    cloud.publish_wait("site1/gw1/cmd/big", b"x" * 4000, qos=1)
+    cloud.publish_wait("site1/gw1/cmd/small", b"ok", qos=1)
+    assert local.wait_messages(1, timeout=10)
+    time.sleep(0.5)
+    assert [(m.topic, m.payload) for m in local.get_messages()] == [("cmd/small", b"ok")]
+    assert "link down" not in gw.log_text()
+    local.close()
+    cloud.close()
+
+
+@ASYNC
+def test_outbound_over_the_upstream_maximum_packet_size_is_skipped(broker_factory, upstream,
+                                                                   collector):
+    up = upstream("max_packet_size 300\n")
+    col = collector(up.port)
+    gw = gateway(broker_factory, [bridge(up.port, OUT)])
+    wait_connected(gw)
+    publish_many(gw.port, [("sensors/big", b"y" * 1000), ("sensors/small", b"ok")])
+    assert wait_for(lambda: ("site1/gw1/sensors/small", b"ok") in arrived(col), 10)
+    st = bridge_state(gw.port)
+    assert st["too_large"] == 1 and st["backlog"] == 0 and st["connected"] is True
+    assert "link down" not in gw.log_text()

@@ -587,6 +587,8 @@ class Bridge:
         self.latest = {}         # latest mode: topic hash -> newest record offset
         self.lfull = 0           # latest topics beyond latest_topics
         self.looped = 0          # 3.1.1: inbound messages dropped as possible echoes
+        self.toolarge = 0        # queued messages over the upstream's Maximum Packet Size
+        self.upmax = 268435460
         self._rebuild_latest()
         if self.q.created:
             self._initial_sync()
@@ -787,6 +789,13 @@ class Bridge:
                 self.skipn += 1
                 continue
             qos, flags, exp, w, tb, props, payload, seq = m
+            if len(tb) + len(props) + len(payload) + 16 > self.upmax:
+                # MQTT-3.1.2-24: never sent (it would end the link for good)
+                self.toolarge += 1
+                self.skipn += 1
+                if not self.inflight:
+                    self._ack_upto()
+                continue
             if flags & F_LATEST and self._superseded(tb, pos):
                 self.lskip += 1
                 self.skipn += 1
@@ -892,7 +901,10 @@ class Bridge:
             # Session Expiry: the upstream keeps our session (its in-flight
             # QoS 2 state, our subscriptions) across outages; Receive
             # Maximum: what we accept inbound
-            p = eb.prop_u32(0x11, 0xFFFFFFFF) + eb.prop_u16(0x21, 64)
+            # Maximum Packet Size: the upstream drops what would not fit
+            # here (MQTT-3.1.2-25) instead of sending it
+            p = eb.prop_u32(0x11, 0xFFFFFFFF) + eb.prop_u16(0x21, 64) \
+                + eb.prop_u32(0x27, self.eng.max_packet)
             body += eb.vbi(len(p)) + p
         return eb.packet(1, 0, bytes(body + payload))
 
@@ -1015,6 +1027,7 @@ class Bridge:
             raise _Down("CONNACK refused 0x%02x" % rc)
         self.window = min(self.c["max_inflight"], props.get(0x21, 65535))
         self.maxqos = props.get(0x24, 2)
+        self.upmax = props.get(0x27, 268435460)  # the upstream's Maximum Packet Size
         self.up = True
         self.connects += 1
         self.err = ""
@@ -1224,6 +1237,10 @@ class Bridge:
                 sh += 7
                 if sh > 21:
                     raise _Down("malformed length")
+            if ln > self.eng.max_packet:
+                # a 3.1.1 upstream knows no Maximum Packet Size: never buffer
+                # more than max_packet_size for one packet
+                raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
             if ln < 0 or j + ln > n:
                 break
             self._handle(b[i], b, j, j + ln)
@@ -1360,6 +1377,7 @@ class Bridge:
         d = {"connected": self.up, "backlog": q.count, "backlog_bytes": q.nbytes,
              "oldest_age": age, "drops": q.drops, "dropped_qos0": self.dropped0,
              "latest_skipped": self.lskip, "echo_dropped": self.looped,
+             "too_large": self.toolarge,
              "sent": self.sent, "acked": self.acked,
              "last_error": self.err}
         return self.eng.make_msg("$SYS/broker/bridge/%s/state" % self.name,
