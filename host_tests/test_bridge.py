@@ -703,21 +703,47 @@ def test_queue_file_is_compacted_after_a_drain(broker_factory, upstream, collect
 
 def make_certs(d):
     """A CA, a server certificate for localhost and a client certificate
-    (EC P-256, two days), made with the openssl command line."""
+    (EC P-256, two days), made with `cryptography` (installed with esptool,
+    a pinned requirement) as PEM files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     d.mkdir(exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
 
-    def ssl(*args):
-        subprocess.run(["openssl", *args], cwd=str(d), check=True, capture_output=True, timeout=30)
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
-    ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=edgebroker test CA")
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost\n")
-    for name in ("server", "client"):
-        ssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", name + ".key", "-out", name + ".csr", "-subj", "/CN=" + (
-                "localhost" if name == "server" else "gateway"))
-        ssl("x509", "-req", "-in", name + ".csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", name + ".pem", "-days", "2", "-extfile", "san.ext")
+    def write_key(key, fname):
+        (d / fname).write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("edgebroker test CA"))
+          .issuer_name(name("edgebroker test CA")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    write_key(ca_key, "ca.key")
+    for who, cn in (("server", "localhost"), ("client", "gateway")):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(hours=1))
+                .not_valid_after(now + datetime.timedelta(days=2))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]),
+                               critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        (d / (who + ".pem")).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_key(key, who + ".key")
     return d
 
 
