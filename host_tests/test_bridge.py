@@ -29,7 +29,11 @@ from mqtt_helpers import free_port, wait_for
 MOSQUITTO = "/usr/sbin/mosquitto"
 REPO = Path(__file__).resolve().parents[1]
 
-ASYNC = pytest.mark.parametrize("interp", ["cpython-async", "micropython-async"], indirect=True)
+# EDGEBROKER_TEST_INTERP restricts the interpreters as everywhere else; the
+# server is always the asyncio one (EDGEBROKER_TEST_SERVER does not apply).
+_ONLY = [i.strip() for i in os.environ.get("EDGEBROKER_TEST_INTERP", "").split(",") if i.strip()]
+ASYNC = pytest.mark.parametrize(
+    "interp", [i + "-async" for i in (_ONLY or ["cpython", "micropython"])], indirect=True)
 
 
 # ----------------------------------------------------------------- upstream
