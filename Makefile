@@ -6,7 +6,7 @@ PORT   ?= 1883
 INTERP ?= cpython
 VENV   := .venv
 
-.PHONY: venv run test bench bench-pipeline pipeline bench-store lint clean measure-memory board-reference
+.PHONY: venv run test bench bench-pipeline pipeline bench-store bench-bridge lint clean measure-memory board-reference
 
 venv:  ## .venv with pinned deps + editable tools, mosquitto (no-op when done)
 	bash tools/setup.sh
@@ -22,6 +22,9 @@ bench: venv  ## benchmarks: poll and asyncio servers on both interpreters vs mos
 
 bench-store: venv  ## flash-store benchmarks only: write amplification, open time, heap per message, 20,000 retained to Receive Maximum 10
 	$(VENV)/bin/python -m edgebroker_tools.bench --only store-wear,store-open,store-heap,retained-rm10
+
+bench-bridge: venv  ## bridge to an upstream mosquitto vs a mosquitto edge bridge: forwarding, 50,000-message drain, SIGKILL mid-drain, heap and flash per queued message
+	$(VENV)/bin/python -m edgebroker_tools.bench_bridge --json build/bench-bridge.json
 
 bench-pipeline: venv  ## fleet pipeline at 20x10x2, 1,000x200x3, 10,000x200x3 (6.3 M rows), 20,000x200x3 on local[2], each beside a floor job (read + write the same snapshots)
 	$(VENV)/bin/python -m edgebroker_tools.fleet.bench

@@ -164,6 +164,59 @@ def test_broken_profile_fails_naming_key_and_value(tmp_path, name, change, key, 
     assert key in hit[0]
 
 
+BRIDGE = {"name": "cloud", "host": "mqtt.example.com",
+          "topics": [{"pattern": "sensors/#", "remote_prefix": "site1/gw1/"}],
+          "queue_bytes": 65536, "latest_topics": 16}
+
+
+def _bridged(**change):
+    b = dict(BRIDGE)
+    b.update(change)
+    return b
+
+
+BRIDGE_BROKEN = [
+    ("port", [_bridged(port=0)], "bridges[0].port = 0", "must be 1..65535"),
+    ("direction", [_bridged(topics=[{"pattern": "a/#", "direction": "sideways"}])],
+     'bridges[0].topics[0].direction = "sideways"', 'must be one of "out", "in", "both"'),
+    ("when_full", [_bridged(when_full="block")], 'bridges[0].when_full = "block"',
+     "must be one of"),
+    ("unknown", [_bridged(hots="x")], "bridges[0].hots", "unknown key"),
+    ("no_host", [{"name": "x", "topics": [{"pattern": "#"}]}], "bridges[0].host", "required"),
+    ("no_rules", [_bridged(topics=[])], "bridges[0].topics", "must be at least 1"),
+    ("two_on_esp32", [BRIDGE, _bridged(name="other")], "bridges: 2 bridges", "at most 1"),
+    ("same_name", [BRIDGE, BRIDGE], 'bridges[1].name = "cloud"', "used twice"),
+    ("queue_over_fs", [_bridged(queue_bytes=1048576)], "bridges:", "must be <= fs_bytes"),
+]
+
+
+@pytest.mark.parametrize("name,bridges,value,allowed", BRIDGE_BROKEN,
+                         ids=[b[0] for b in BRIDGE_BROKEN])
+def test_bad_bridge_fails_naming_its_key(tmp_path, name, bridges, value, allowed):
+    prof = esp32()
+    prof["bridges"] = bridges
+    r = config("check", str(write(tmp_path, name, prof)), check=1)
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert [e for e in errors if value in e and allowed in e], r.stderr
+
+
+def test_bridge_heap_code_and_flash_are_counted(tmp_path):
+    """A bridge's code (lib/edgebridge.py), heap and queue file are counted:
+    on the esp32 it needs ROMFS (bytecode in flash), then one plain-TCP
+    bridge fits; one TLS client does not fit that heap."""
+    prof = esp32()
+    prof["bridges"] = [BRIDGE]
+    r = config("check", "-v", str(write(tmp_path, "bridged", prof)), check=1)
+    assert "edgebridge" in r.stderr and "code_budget_bytes" in r.stderr
+    prof["romfs"] = True
+    r = config("check", "-v", str(write(tmp_path, "romfs", prof)), check=0)
+    assert "bridge cloud" in r.stdout and "queue file + .new copy" in r.stdout
+    assert "edgebridge" in r.stdout
+    prof["bridges"] = [_bridged(tls={"ca": "/ca.pem"})]
+    r = config("check", "-v", str(write(tmp_path, "tls", prof)), check=1)
+    assert "heap_bytes = 110000" in r.stderr and "bridge cloud" in r.stderr
+
+
 def test_all_errors_are_listed(tmp_path):
     prof = esp32()
     prof.update({"max_clientz": 1, "maximum_qos": 7, "log_level": "loud", "romfs": "no"})

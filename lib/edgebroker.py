@@ -2983,6 +2983,9 @@ class Broker:
     def serve(self, on_tick=None):
         """The poll server: runs until stop() or KeyboardInterrupt. on_tick,
         if given, is called about once a second."""
+        if self.extras:
+            # a bridge's link is an asyncio task: only serve_async() runs it
+            raise ValueError("bridges: need the asyncio server (serve_async; --server async)")
         self.poller = select.poll()
         lsock = self.lsock
         self.poller.register(lsock, select.POLLIN)

@@ -58,6 +58,23 @@ INDEX_CHUNK: Final[int] = int(_EDGESTORE.INDEX_CHUNK)
 #: makes $SYS messages on demand, so the measured standing cost
 #: (sys_retained) is 0 today; the term stays in case that changes.
 SYS_REFUSAL_TOPICS: Final = 6
+# Bridge heap (lib/edgebridge.py), per bridge: the link's objects and task,
+# its send and receive buffers and, with TLS, one client's handshake and
+# record buffers (MicroPython's mbedtls: about 40 KB).
+BRIDGE_FIXED: Final = 8192
+BRIDGE_TLS: Final = 40960
+BRIDGE_INDEX_ENTRY: Final = 8
+BRIDGE_SMALL_HEAP: Final = 1048576
+# lib/edgebridge.py's code costs until boards/memory_costs.json measures them
+# (`make measure-memory`): import_mpy and mpy_file_bytes measured on the
+# 64-bit unix port (2026-11-23); import_romfs and min_heap_import_mpy scaled
+# from it by edgebroker's own ratios.
+BRIDGE_CODE: Final = {
+    "import_mpy": 29152,
+    "mpy_file_bytes": 18686,
+    "import_romfs": 12560,
+    "min_heap_import_mpy": 37510,
+}
 
 
 class ProfileError(Exception):
@@ -267,7 +284,12 @@ def validate_value(key: str, value: Any, sub: Mapping[str, Any]) -> list[Issue]:
         pattern = sub.get("pattern")
         if isinstance(pattern, str) and re.search(pattern, value) is None:
             issues.append(Issue(key, f"{shown}: must match {pattern}"))
+    if isinstance(value, list):
+        issues += _validate_items(key, value, sub)
     if isinstance(value, dict):
+        for name in sub.get("required", ()):
+            if name not in value:
+                issues.append(Issue(f"{key}.{name}", f"{key}.{name}: required"))
         most = sub.get("maxProperties")
         if isinstance(most, int) and len(value) > most:
             issues.append(Issue(key, f"{key}: {len(value)} entries, must be at most {most}"))
@@ -296,6 +318,22 @@ def _allowed(want: str, sub: Mapping[str, Any]) -> str:
     if want in ("integer", "number") and ("minimum" in sub or "maximum" in sub):
         return f"{article} {want} in {_range_text(sub)}{_unit(sub)}"
     return f"{article} {want}"
+
+
+def _validate_items(key: str, value: list[Any], sub: Mapping[str, Any]) -> list[Issue]:
+    """An array's length bounds and each item against `items`, named key[i]."""
+    issues: list[Issue] = []
+    lo = sub.get("minItems")
+    hi = sub.get("maxItems")
+    if isinstance(lo, int) and len(value) < lo:
+        issues.append(Issue(key, f"{key}: {len(value)} items, must be at least {lo}"))
+    if isinstance(hi, int) and len(value) > hi:
+        issues.append(Issue(key, f"{key}: {len(value)} items, must be at most {hi}"))
+    items = sub.get("items")
+    if isinstance(items, dict):
+        for i, item in enumerate(value):
+            issues += validate_value(f"{key}[{i}]", item, items)
+    return issues
 
 
 def _range_text(sub: Mapping[str, Any]) -> str:
@@ -368,6 +406,7 @@ MODEL_TEXT: Final = """\
 ### Code
 
     code = import cost of lib/edgebroker.py (+ lib/edgestore.py unless storage_type is ram)
+           (+ lib/edgebridge.py when bridges is not empty)
            .mpy from the filesystem (bytecode in RAM) when romfs is false,
            the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true
     code <= code_budget_bytes
@@ -409,7 +448,11 @@ scaled by 278.9/429.8 (x0.649, the object-size ratio measured on four
               + max_sessions x session
               + retained
               + heap_reserve
+              + bridges                        (each: BRIDGE_FIXED 8192 + 2 x max_packet_size
+                                                + (latest_topics + max_inflight) x 8
+                                                + 40960 with tls)
     heap <= heap_bytes
+    bridges: at most 1 when heap_bytes < 1 MB (one TLS client is what such a board affords)
 
 ### Flash (storage_type disc and disc_only)
 
@@ -424,6 +467,14 @@ second copy of the live records to <file>.new before the rename.
     peak   = file + live (.new) + 2 x 4096 (littlefs blocks)
     peak + fs_reserve_bytes <= fs_bytes
     store_budget_bytes > 0
+
+### Flash, bridges (any storage_type)
+
+Each bridge's queue file data/bridge-<name>.ebrq is compacted by the same
+rule (compact_ratio, compact_min_bytes) and counted with the store's peak:
+
+    queue  = max(queue_bytes / (1 - compact_ratio), compact_min_bytes + queue_bytes)
+             + queue_bytes (.new)
 """
 
 
@@ -467,7 +518,15 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
 
 
 def modules_for(cfg: Mapping[str, Any]) -> list[str]:
-    return ["edgebroker"] if cfg["storage_type"] == "ram" else ["edgebroker", "edgestore"]
+    mods = ["edgebroker"] if cfg["storage_type"] == "ram" else ["edgebroker", "edgestore"]
+    return [*mods, "edgebridge"] if _bridges(cfg) else mods
+
+
+def _code_cost(costs: Mapping[str, Any], kind: str, module: str) -> int:
+    node = costs["costs"].get(kind)
+    if module == "edgebridge" and not (isinstance(node, dict) and module in node):
+        return BRIDGE_CODE[kind]
+    return _cost(costs, kind, module)
 
 
 def retained_count(cfg: Mapping[str, Any]) -> int | None:
@@ -484,7 +543,7 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
     items: list[HeapItem] = []
     mods = modules_for(cfg)
     kind = "import_romfs" if cfg["romfs"] else "import_mpy"
-    code = sum(_cost(costs, kind, m) for m in mods)
+    code = sum(_code_cost(costs, kind, m) for m in mods)
     where = "ROMFS" if cfg["romfs"] else ".mpy in RAM"
     items.append(HeapItem("code", code, f"{' + '.join(mods)} ({where})"))
 
@@ -556,6 +615,21 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
         items.append(
             HeapItem("retained", total, f"{n} messages in RAM ({store}): {data} data bytes")
         )
+    for b in _bridges(cfg):
+        per = (
+            BRIDGE_FIXED
+            + 2 * packet
+            + (int(b.get("latest_topics", 256)) + int(b.get("max_inflight", 16)))
+            * BRIDGE_INDEX_ENTRY
+        )
+        tls = BRIDGE_TLS if b.get("tls") else 0
+        items.append(
+            HeapItem(
+                f"bridge {b.get('name')}",
+                per + tls,
+                "link, buffers, index" + (" + one TLS client" if tls else ""),
+            )
+        )
     items.append(HeapItem("heap_reserve", int(cfg["heap_reserve"]), "kept free"))
     return items
 
@@ -581,6 +655,22 @@ def start_heap(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> int:
         peak = max(peak, kept + _cost(costs, "min_heap_import_mpy", m))
         kept += _cost(costs, "import_mpy", m)
     return max(peak, kept + idle)
+
+
+def _bridges(cfg: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    raw = cfg.get("bridges")
+    return [b for b in raw if isinstance(b, dict)] if isinstance(raw, list) else []
+
+
+def bridge_flash(cfg: Mapping[str, Any]) -> list[HeapItem]:
+    """Peak flash of the bridges' queue files (MODEL_TEXT, Flash, bridges)."""
+    ratio = float(cfg["compact_ratio"])
+    out = []
+    for b in _bridges(cfg):
+        q = int(b.get("queue_bytes", 1048576))
+        grown = max(math.ceil(q / (1 - ratio)), int(cfg["compact_min_bytes"]) + q)
+        out.append(HeapItem(f"bridge {b.get('name')}", grown + q, "queue file + .new copy"))
+    return out
 
 
 def flash_breakdown(cfg: Mapping[str, Any]) -> list[HeapItem]:
@@ -684,6 +774,9 @@ def check_profile(
             "(the loop feeds it once a second)",
         )
 
+    if ok("bridges"):
+        _check_bridges(report, cfg, on)
+
     if bad:
         report.notes.append("code, flash and heap checks skipped until the errors above are fixed")
         return report
@@ -696,10 +789,31 @@ def check_profile(
     return report
 
 
+def _check_bridges(report: Report, cfg: Profile, on: str) -> None:
+    bridges = _bridges(cfg)
+    if len(bridges) > 1 and int(cfg["heap_bytes"]) < BRIDGE_SMALL_HEAP:
+        report.error(
+            "bridges",
+            f"bridges: {len(bridges)} bridges, at most 1 with heap_bytes "
+            f"{cfg['heap_bytes']} < {BRIDGE_SMALL_HEAP}{on}",
+        )
+    names = [b.get("name") for b in bridges]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            report.error(f"bridges[{i}].name", f"bridges[{i}].name = {show(name)}: used twice")
+    for i, b in enumerate(bridges):
+        if int(b.get("retry_min", 1)) > int(b.get("retry_max", 60)):
+            report.error(
+                f"bridges[{i}].retry_min",
+                f"bridges[{i}].retry_min = {b.get('retry_min')}: must be <= retry_max "
+                f"{b.get('retry_max', 60)}",
+            )
+
+
 def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:
     mods = modules_for(cfg)
     kind = "import_romfs" if cfg["romfs"] else "import_mpy"
-    parts = [(m, _cost(costs, kind, m)) for m in mods]
+    parts = [(m, _code_cost(costs, kind, m)) for m in mods]
     code = sum(c for _, c in parts)
     budget = int(cfg["code_budget_bytes"])
     if code > budget:
@@ -710,7 +824,7 @@ def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
             f"code_budget_bytes = {budget}: must be >= {code}, the code {where} ({detail}){on}",
         )
     if not cfg["romfs"]:
-        files = [(m, _cost(costs, "mpy_file_bytes", m)) for m in mods]
+        files = [(m, _code_cost(costs, "mpy_file_bytes", m)) for m in mods]
         size = sum(c for _, c in files)
         if cfg["fs_reserve_bytes"] < size:
             report.error(
@@ -728,9 +842,9 @@ def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
     peak = 0
     kept = 0
     for m in mods:
-        need = kept + _cost(costs, "min_heap_import_mpy", m)
+        need = kept + _code_cost(costs, "min_heap_import_mpy", m)
         peak = max(peak, need)
-        kept += _cost(costs, "import_mpy", m)
+        kept += _code_cost(costs, "import_mpy", m)
     if not cfg["romfs"] and peak > cfg["heap_bytes"]:
         report.error(
             "heap_bytes",
@@ -740,6 +854,17 @@ def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
 
 def _check_flash(report: Report, cfg: Profile, on: str) -> None:
     if cfg["storage_type"] == "ram" or not cfg["retain_available"]:
+        queues = bridge_flash(cfg)
+        if queues:
+            reserve = HeapItem("fs_reserve_bytes", int(cfg["fs_reserve_bytes"]), "code, firmware")
+            report.flash = [*queues, reserve]
+            need = report.flash_total
+            if need > int(cfg["fs_bytes"]):
+                report.error(
+                    "bridges",
+                    f"bridges: the queue files' flash peak + fs_reserve_bytes = {need} must "
+                    f"be <= fs_bytes {cfg['fs_bytes']}{on} (lower queue_bytes)",
+                )
         return
     store = cfg["storage_type"]
     if not cfg["store_budget_bytes"]:
@@ -749,10 +874,16 @@ def _check_flash(report: Report, cfg: Profile, on: str) -> None:
             f"(0 = no limit: the store could fill the filesystem)",
         )
         return
-    report.flash = flash_breakdown(cfg)
+    report.flash = flash_breakdown(cfg) + bridge_flash(cfg)
     need = report.flash_total
     fs = int(cfg["fs_bytes"])
-    if need > fs:
+    if need > fs and bridge_flash(cfg):
+        report.error(
+            "bridges",
+            f"bridges: the store's and the queue files' flash peak + fs_reserve_bytes = "
+            f"{need} must be <= fs_bytes {fs}{on} (lower queue_bytes or store_budget_bytes)",
+        )
+    elif need > fs:
         store_part = need - int(cfg["fs_reserve_bytes"])
         ratio = float(cfg["compact_ratio"])
         report.error(

@@ -102,6 +102,10 @@ def range_text(sub: Mapping[str, Any]) -> str:
         if "pattern" in sub:
             parts.append(f"`{sub['pattern']}`")
         return ", ".join(parts) or "any text"
+    if kind == "array":
+        lo = sub.get("minItems", 0)
+        hi = sub.get("maxItems")
+        return f"{lo} .. {hi} items" if hi is not None else "any"
     if kind == "object":
         extra = sub.get("additionalProperties")
         what = "name -> " + str(extra.get("type")) if isinstance(extra, dict) else "object"
@@ -155,8 +159,35 @@ def render(schema: Schema) -> str:
                 f"**When hit:** {sub.get('x-consequence', '')}",
                 "",
             ]
+            out += _item_tables(key, sub)
     out += ["## How config check adds it up", "", MODEL_TEXT.rstrip(), ""]
     return "\n".join(out)
+
+
+def _item_tables(path: str, sub: Mapping[str, Any]) -> list[str]:
+    """The keys of an array's items (e.g. each bridge, each topic rule), as
+    a table per level, nested arrays after their parent."""
+    items = sub.get("items")
+    if not isinstance(items, dict) or not isinstance(items.get("properties"), dict):
+        return []
+    props: dict[str, Any] = items["properties"]
+    required = set(items.get("required", ()))
+    out = [
+        f"Each item of `{path}` ({_cell(str(items.get('description', '')))}):",
+        "",
+        "| key | default | range | meaning | when hit |",
+        "|---|---|---|---|---|",
+    ]
+    nested: list[str] = []
+    for name, child in props.items():
+        default = "required" if name in required else f"`{_cell(_value(child.get('default')))}`"
+        out.append(
+            f"| `{name}` | {default} | {_cell(range_text(child))} "
+            f"| {_cell(str(child.get('description', '')))} "
+            f"| {_cell(str(child.get('x-consequence', '')))} |"
+        )
+        nested += _item_tables(f"{path}[].{name}", child)
+    return [*out, "", *nested]
 
 
 def _anchor(title: str) -> str:

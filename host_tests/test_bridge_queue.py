@@ -1,0 +1,177 @@
+"""The bridge's flash queue (lib/edgebridge.py Queue) in process, under
+both interpreters (a script run by CPython and by the MicroPython unix
+port), its config check, and the inspect report the host tools show."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lib"))
+sys.path.insert(0, str(REPO / "tools"))
+
+import edgebridge  # noqa: E402
+from conftest import micropython_exe  # noqa: E402
+
+SCRIPT = r'''
+import sys, os, json
+sys.path.insert(0, "lib")
+import edgebridge as b
+d = sys.argv[1]
+out = {}
+def log(level, text):
+    out.setdefault("log", []).append(level + " " + text)
+path = d + "/bridge-t.ebrq"
+q = b.Queue(path, 1 << 20, True, 0.5, 4096, log)
+out["created"] = q.created
+for i in range(10):
+    q.append(1, 0, 0, 0, b"t/%d" % (i % 3), b"", b"payload %d" % i)
+q.commit()
+q.advance(q.cursor, 0)
+# acknowledge the first 4 messages: walk 4 records
+pos = q.cursor
+for i in range(4):
+    rt, body, pos = q.read(pos)
+q.advance(pos, 4)
+q.commit()
+out["count"] = q.count
+size = os.stat(path)[6]
+q.f.close()
+# a power cut in the middle of the next record: half of it on flash
+rec = b.record(b.T_MSG, b.msg_body(99, 1, 0, 0, 0, b"t/x", b"", b"cut"))
+f = open(path, "ab")
+f.write(rec[:len(rec) // 2])
+f.close()
+q = b.Queue(path, 1 << 20, True, 0.5, 4096, log)
+out["after_cut"] = [q.count, q.seq]
+rep = b.inspect(path)
+out["torn_after_open"] = rep["torn_bytes"]
+out["backlog"] = rep["backlog"]
+pos = q.cursor
+first = None
+while pos < q.end:
+    rt, body, nxt = q.read(pos)
+    if rt == b.T_MSG:
+        first = bytes(b.decode_msg(body)[6])
+        break
+    pos = nxt
+out["first"] = first.decode()
+# a full queue: drop_oldest keeps the newest, counts the drops
+q2 = b.Queue(d + "/bridge-full.ebrq", 4096, True, 0.5, 4096, log)
+for i in range(100):
+    q2.append(1, 0, 0, 0, b"f", b"", b"x" * 100)
+q2.commit()
+out["full"] = [q2.count, q2.drops, q2.nbytes <= 4096]
+q3 = b.Queue(d + "/bridge-refuse.ebrq", 4096, False, 0.5, 4096, log)
+ok = [q3.append(1, 0, 0, 0, b"f", b"", b"x" * 100) for i in range(100)]
+out["refuse"] = [q3.count, q3.drops, ok.count(True)]
+# compaction: everything acknowledged, the file shrinks, numbering goes on
+moved = []
+q3.moved = moved.append
+q3.commit()
+seq = q3.seq
+q3.advance(q3.end, q3.count)
+q3.commit()
+q3.compact()
+out["compacted"] = [os.stat(d + "/bridge-refuse.ebrq")[6], q3.seq == seq, len(moved)]
+q3.close()
+q4 = b.Queue(d + "/bridge-refuse.ebrq", 4096, False, 0.5, 4096, log)
+out["reopened"] = [q4.count, q4.seq == seq]
+# a file that is not a queue is moved aside
+f = open(d + "/bridge-bad.ebrq", "wb")
+f.write(b"NOPE\x01\x00\x00\x00junk")
+f.close()
+b.Queue(d + "/bridge-bad.ebrq", 4096, False, 0.5, 4096, log)
+out["bad_moved"] = os.stat(d + "/bridge-bad.ebrq.bad")[6]
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("exe", ["cpython", "micropython"])
+def test_queue_recovers_from_a_torn_tail_and_bounds_itself(tmp_path, exe):
+    script = tmp_path / "q.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable if exe == "cpython" else micropython_exe(), str(script), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["created"] is True
+    assert out["count"] == 6
+    # the cut record is ignored, the 6 unacknowledged ones stay, numbering goes on
+    assert out["after_cut"] == [6, 10]
+    assert out["torn_after_open"] == 0  # rewritten at open: no torn tail left behind
+    assert out["backlog"] == 6
+    assert out["first"] == "payload 4"
+    assert any("torn tail" in line for line in out["log"])
+    count, drops, bounded = out["full"]
+    assert bounded and count + drops == 100 and drops > 0
+    count, drops, accepted = out["refuse"]
+    assert count == accepted and count + drops == 100 and drops > 0
+    size, same_seq, moved = out["compacted"]
+    assert size < 64 and same_seq and moved == 1
+    assert out["reopened"] == [0, True]
+    assert out["bad_moved"] > 0
+
+
+BR = {"name": "c", "host": "h", "topics": [{"pattern": "a/#"}]}
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"port": 0}, "bridges[0].port: 0 (allowed 1..65535)"),
+    ({"topics": [{"pattern": "a/#", "qos": 3}]}, "bridges[0].topics[0].qos: 3"),
+    ({"topics": [{"pattern": "a/#", "direction": "up"}]}, "bridges[0].topics[0].direction: 'up'"),
+    ({"topics": [{"pattern": "a/#/b"}]}, "bridges[0].topics[0].pattern"),
+    ({"when_full": "block"}, "bridges[0].when_full: 'block'"),
+    ({"tls": {"cert": "c.pem"}}, "bridges[0].tls.ca: required"),
+    ({"colour": 1}, "bridges[0].colour: unknown key"),
+    ({"retry_min": 10, "retry_max": 5}, "bridges[0].retry_min: 10"),
+])
+def test_bad_bridge_values_are_refused_naming_the_key(change, key):
+    item = dict(BR)
+    item.update(change)
+    with pytest.raises(ValueError) as e:
+        edgebridge.check([item])
+    assert key in str(e.value)
+
+
+def test_bridge_defaults_and_client_id_from_the_board():
+    c = edgebridge.check([BR], "gw7")[0]
+    assert c["client_id"] == "gw7" and c["port"] == 1883 and c["protocol"] == 5
+    assert c["topics"][0] == {"pattern": "a/#", "direction": "out", "qos": 1,
+                              "local_prefix": "", "remote_prefix": "", "mode": "queue"}
+    with pytest.raises(ValueError, match="name"):
+        edgebridge.check([BR, BR])
+
+
+def test_inspect_report_and_its_text(tmp_path):
+    from edgebroker_tools import bridge_inspect as bi
+
+    path = tmp_path / "bridge-x.ebrq"
+    q = edgebridge.Queue(str(path), 1 << 20, True, 0.5, 4096, lambda *a: None)
+    for i in range(5):
+        q.append(2 if i == 4 else 1, edgebridge.F_RETAIN if i == 0 else 0, 0, 1700000000,
+                 b"site/t%d" % i, b"", b"p" * i)
+    q.commit()
+    pos = q.cursor
+    rt, body, pos = q.read(pos)
+    q.advance(pos, 1)
+    q.released(4)
+    q.commit()
+    q.close()
+    assert bi.is_bridge_queue(path)
+    rep = bi.read_bridge_report(path)
+    assert rep["kind"] == "ok" and rep["backlog"] == 4 and rep["next_seq"] == 5
+    assert rep["dead_bytes"] > 0 and rep["released"] == 1
+    assert [e["topic"] for e in rep["first"]] == ["site/t1", "site/t2", "site/t3", "site/t4"]
+    assert rep["first"][-1]["released"] is True and rep["first"][-1]["qos"] == 2
+    text = bi.format_bridge_report(rep)
+    assert "backlog  4 message(s)" in text and "status   ok" in text and "site/t4" in text
+    assert not bi.bridge_problems(rep)
+    with path.open("ab") as f:
+        f.write(b"M\x00\x00")  # a torn record
+    rep = bi.read_bridge_report(path)
+    assert bi.bridge_problems(rep) == ["torn tail of 3 bytes at offset %d" % rep["torn_offset"]]
+    assert "DAMAGED" in bi.format_bridge_report(rep)

@@ -1,0 +1,1553 @@
+# edgebridge: edgebroker's bridge to an upstream (cloud) broker, with
+# store-and-forward on flash. Loaded by edgebroker.start() only when the
+# profile's `bridges` list is not empty; nothing happens at import.
+#
+# Sections:
+#   1. compat       files, clocks, the few record helpers (own copy: the queue
+#                   file is not the retained store's)
+#   2. config       a bridge item checked, ValueError naming bridges[i].key
+#   3. Queue        the append-only flash log of outbound QoS >= 1 messages
+#   4. Bridge       engine sink (put/commit), topic mapping, the upstream
+#                   MQTT 3.1.1/5.0 client driven by asyncio, status
+#   5. attach()     what edgebroker.start() calls
+#
+# ------------------------------------------------------------------ FORMAT
+# <data_dir>/bridge-<name>.ebrq, big-endian, edgestore's conventions:
+#   header   45 42 52 51 "EBRQ" | 01 version | 00 00 00 reserved
+#   records  type (1) | length (4) | body | crc (4, CRC-32 of type+length+body)
+#     "M" 0x4D message: seq (4, its number: the upstream packet id is
+#              seq % 65000 + 1, the same in every run) |
+#              qos (1) | flags (1: 0x01 retain, 0x02 has expiry,
+#              0x04 `latest` rule: only the newest of its topic is sent) |
+#              expiry (4, seconds left at the write) | wall (4, Unix seconds
+#              of the write, 0 = clock not set) | topic length (2) |
+#              props length (4) | topic (the upstream topic, UTF-8) |
+#              props (5.0 forwarded property bytes) | payload (the rest)
+#     "K" 0x4B cursor: offset (4) of the first message not acknowledged
+#              upstream; every "M" before it was acknowledged (PUBACK, or
+#              PUBCOMP for QoS 2) | next seq (4). The last "K" wins.
+#     "R" 0x52 released: seq (4) of a QoS 2 message the upstream answered
+#              with PUBREC, written and fsynced before our PUBREL leaves: after
+#              a restart it gets PUBREL again, never a second PUBLISH
+#              (exactly once with the upstream's persistent session).
+#   Any other type is skipped (length-prefixed). Append only.
+#
+# ------------------------------------------------------------ DURABILITY
+# put() appends to a RAM write buffer while the engine routes a PUBLISH;
+# the engine then holds the publisher's PUBACK/PUBREC until commit() has
+# written, flushed and fsynced it (group commit, with the retained store).
+# Only committed records are sent upstream. The cursor moves when the
+# upstream acknowledges; "K" records are written at most every 0.2 s and
+# not fsynced: losing one only means resending (at least once, never lost).
+# A torn tail (power cut mid-write) is ignored at open and the file is
+# rewritten from the cursor before its next write. Compaction streams the
+# records from the cursor into <file>.new, fsyncs, renames it over the file,
+# when the dead prefix passes compact_ratio of the file (and
+# compact_min_bytes): the retained store's rule.
+#
+# ---------------------------------------------------------------- MEMORY
+# RAM holds no message of the backlog: the write buffer (one loop turn of
+# appends), the in-flight window (max_inflight entries of 6 small ints) and,
+# for `latest` rules, a fixed index of latest_topics (hash, offset) pairs.
+import binascii
+import os
+import socket
+from struct import pack, unpack_from
+
+import edgebroker as eb
+
+try:
+    from micropython import const
+except ImportError:  # CPython
+    def const(x):
+        return x
+
+try:
+    import random
+
+    def _jitter(n):
+        return random.getrandbits(16) * n / 65536
+except ImportError:  # a port without random: no jitter beyond the clock
+    def _jitter(n):
+        return 0
+
+# ---------------------------------------------------------------- 1. compat
+_crc32 = binascii.crc32
+# CPython: fdatasync where there is one (Linux): the data and the file size,
+# not the timestamps; MicroPython: flush() syncs (littlefs)
+_fsync = getattr(os, "fdatasync", None) or getattr(os, "fsync", None)
+_rename = getattr(os, "replace", os.rename)
+
+MAGIC = b"EBRQ"
+VERSION = 1
+HEADER = b"EBRQ\x01\x00\x00\x00"
+T_MSG = const(0x4D)
+T_CURSOR = const(0x4B)
+T_REL = const(0x52)
+_PIDS = const(65000)   # queue packet ids 1..65000; the link's own above
+F_RETAIN = const(1)
+F_EXP = const(2)
+F_LATEST = const(4)
+_HDR = const(8)
+_MHEAD = const(20)     # message body bytes before topic, props, payload
+_U32 = const(0xFFFFFFFF)
+_RA = const(8192)      # read-ahead of the drain (bytes of heap while it runs)
+_EINPROGRESS = (115, 36, 119)  # Linux, BSD/macOS, lwIP
+
+
+def record(rt, body):
+    """One record: type, length, body, CRC-32 over all three."""
+    h = pack(">BI", rt, len(body))
+    return h + body + pack(">I", _crc32(body, _crc32(h)) & _U32)
+
+
+def msg_body(seq, qos, flags, exp, wall, topic_b, props, payload):
+    return pack(">IBBIIHI", seq, qos, flags, exp, wall, len(topic_b), len(props)) \
+        + topic_b + props + payload
+
+
+def decode_msg(body):
+    """(qos, flags, expiry, wall, topic bytes, props, payload, seq) or None."""
+    n = len(body)
+    if n < _MHEAD:
+        return None
+    seq, qos, flags, exp, wall, tl, pl = unpack_from(">IBBIIHI", body, 0)
+    j = _MHEAD + tl
+    if j + pl > n or qos > 2:
+        return None
+    return (qos, flags, exp, wall, bytes(body[_MHEAD:j]), bytes(body[j:j + pl]),
+            bytes(body[j + pl:]), seq)
+
+
+def read_record(f, pos, size):
+    """(type, body, next offset) of the record at pos, ('torn', ...) cases:
+    (None, None, pos) for a torn or unreadable tail, (-1, None, next) for a
+    record whose CRC is bad but whose length leads somewhere plausible."""
+    if size - pos < 9:
+        return None, None, pos
+    f.seek(pos)
+    h = f.read(5)
+    if len(h) != 5:
+        return None, None, pos
+    blen = unpack_from(">I", h, 1)[0]
+    end = pos + 9 + blen
+    if end > size:
+        return None, None, pos
+    rest = f.read(blen + 4)
+    if len(rest) != blen + 4:
+        return None, None, pos
+    body = memoryview(rest)[:blen]
+    if _crc32(body, _crc32(h)) & _U32 != unpack_from(">I", rest, blen)[0]:
+        return -1, None, end
+    return h[0], body, end
+
+
+def _sync(f):
+    f.flush()
+    if _fsync is not None:
+        _fsync(f.fileno())
+
+
+def _size(path):
+    try:
+        return os.stat(path)[6]
+    except OSError:
+        return -1
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- 2. config
+# Every key of a bridge item: default, then (min, max) or allowed words.
+ITEM = {
+    "name": (None, None), "host": (None, None), "port": (1883, (1, 65535)),
+    "client_id": ("", None), "username": ("", None), "password": ("", None),
+    "tls": ({}, None), "keepalive": (60, (5, 65535)), "protocol": (5, (4, 5)),
+    "topics": (None, None), "queue_bytes": (1048576, (4096, 1073741824)),
+    "when_full": ("drop_oldest", ("drop_oldest", "refuse")),
+    "replay_rate": (0, (0, 1000000)), "max_inflight": (16, (1, 65535)),
+    "connect_timeout": (10, (1, 300)), "retry_min": (1, (1, 3600)),
+    "retry_max": (60, (1, 3600)), "attempts_per_minute": (6, (1, 60)),
+    "latest_topics": (256, (1, 65535)), "status": (True, None),
+}
+RULE = {
+    "pattern": (None, None), "direction": ("out", ("out", "in", "both")),
+    "qos": (1, (0, 2)), "local_prefix": ("", None), "remote_prefix": ("", None),
+    "mode": ("queue", ("queue", "latest")),
+}
+TLS_KEYS = ("ca", "cert", "key", "server_hostname")
+
+
+def _fill(where, item, spec):
+    if not isinstance(item, dict):
+        raise ValueError("%s: %r is not an object" % (where, item))
+    out = {}
+    for k in item:
+        if k not in spec:
+            raise ValueError("%s.%s: unknown key" % (where, k))
+    for k in spec:
+        d, allowed = spec[k]
+        v = item.get(k, d)
+        name = "%s.%s" % (where, k)
+        if v is None:
+            raise ValueError("%s: required" % name)
+        if isinstance(d, bool) or k == "status":
+            if not isinstance(v, bool):
+                raise ValueError("%s: %r is not true or false" % (name, v))
+        elif isinstance(d, int) and not isinstance(d, bool):
+            if not isinstance(v, int) or isinstance(v, bool) or not allowed[0] <= v <= allowed[1]:
+                raise ValueError("%s: %r (allowed %s..%s)" % (name, v, allowed[0], allowed[1]))
+        elif isinstance(allowed, tuple) and isinstance(allowed[0], str):
+            if v not in allowed:
+                raise ValueError("%s: %r (allowed %s)" % (name, v, ", ".join(allowed)))
+        elif k in ("tls", "topics"):
+            pass
+        elif not isinstance(v, str):
+            raise ValueError("%s: %r is not a string" % (name, v))
+        out[k] = v
+    return out
+
+
+def check(items, board="edgebroker"):
+    """The bridges list with defaults filled in; a bad value raises
+    ValueError naming bridges[i].key (like every other profile key)."""
+    if not isinstance(items, list):
+        raise ValueError("bridges: %r is not a list" % (items,))
+    out = []
+    names = []
+    for i, item in enumerate(items):
+        w = "bridges[%d]" % i
+        c = _fill(w, item, ITEM)
+        if c["name"] in names or not c["name"] or len(c["name"]) > 32 \
+                or not all(ch.isalpha() or ch.isdigit() or ch in "_-" for ch in c["name"]):
+            raise ValueError("%s.name: %r (a unique name of letters, digits, _ and -)" % (w, c["name"]))
+        names.append(c["name"])
+        if not c["host"]:
+            raise ValueError("%s.host: required" % w)
+        if c["retry_min"] > c["retry_max"]:
+            raise ValueError("%s.retry_min: %r (at most retry_max %r)" % (w, c["retry_min"], c["retry_max"]))
+        tls = c["tls"]
+        if not isinstance(tls, dict):
+            raise ValueError("%s.tls: %r is not an object" % (w, tls))
+        for k in tls:
+            if k not in TLS_KEYS or not isinstance(tls[k], str):
+                raise ValueError("%s.tls.%s: unknown key or not a string" % (w, k))
+        if tls and "ca" not in tls:
+            raise ValueError("%s.tls.ca: required with TLS" % w)
+        rules = c["topics"]
+        if not isinstance(rules, list) or not rules or len(rules) > 32:
+            raise ValueError("%s.topics: %r (a list of 1..32 rules)" % (w, rules))
+        cr = []
+        for j, r in enumerate(rules):
+            rw = "%s.topics[%d]" % (w, j)
+            r = _fill(rw, r, RULE)
+            if not eb.valid_filter(r["local_prefix"] + r["pattern"]) \
+                    or not eb.valid_filter(r["remote_prefix"] + r["pattern"]):
+                raise ValueError("%s.pattern: %r is not a topic filter under its prefixes" % (rw, r["pattern"]))
+            cr.append(r)
+        c["topics"] = cr
+        if not c["client_id"]:
+            c["client_id"] = board
+        out.append(c)
+    return out
+
+
+# ---------------------------------------------------------------- 3. Queue
+class Queue:
+    """The bridge's flash log: appends (put), commit (write + fsync), a
+    cursor that moves on upstream acknowledgements, compaction. Offsets are
+    file offsets; compaction shifts them down by the dead prefix (moved())."""
+
+    def __init__(self, path, budget, drop_oldest, ratio, min_bytes, log):
+        self.path = path
+        self.budget = budget
+        self.drop_oldest = drop_oldest
+        self.ratio = ratio
+        self.min_bytes = min_bytes
+        self._log = log
+        self.f = None
+        self.wb = bytearray()   # appended, not yet written
+        self.fend = _HDR        # written (committed) end
+        self.cursor = _HDR
+        self.count = 0          # messages at or after the cursor
+        self.drops = 0
+        self.corrupt = 0
+        self.kdirty = False     # cursor moved since the last "K" record
+        self.moved = None       # callback(delta) after a compaction
+        self.created = False    # a new file (no earlier state to resume)
+        self.rb = None          # read-ahead: bytes of the file from rb_off
+        self.rb_off = 0
+        self.seq = 0            # the next message's number
+        self.rel = {}           # seqs of QoS 2 messages past PUBREC ("R" records)
+        self._open()
+
+    @property
+    def end(self):
+        return self.fend + len(self.wb)
+
+    @property
+    def nbytes(self):
+        # the backlog's flash bytes: everything from the cursor on
+        return self.fend + len(self.wb) - self.cursor
+
+    def _open(self):
+        path = self.path
+        new = path + ".new"
+        if _size(path) < 0 and _size(new) >= _HDR:
+            _rename(new, path)  # a compaction cut between remove and rename
+        _remove(new)
+        size = _size(path)
+        if size < _HDR:
+            self._create()
+            return
+        f = open(path, "r+b")
+        head = f.read(_HDR)
+        if head[:4] != MAGIC or head[4] != VERSION:
+            f.close()
+            self._log("error", "bridge queue %s: not a version %d queue file, moved to .bad" % (path, VERSION))
+            _remove(path + ".bad")
+            _rename(path, path + ".bad")
+            self._create()
+            return
+        self.f = f
+        pos = _HDR
+        cur = _HDR
+        torn = False
+        while pos < size:
+            rt, body, nxt = read_record(f, pos, size)
+            if rt is None:
+                torn = True
+                break
+            if rt == -1:
+                self.corrupt += 1
+            elif rt == T_CURSOR and len(body) == 8:
+                cur, seq = unpack_from(">II", body, 0)
+                if seq > self.seq:
+                    self.seq = seq
+            elif rt == T_MSG and len(body) >= 4:
+                seq = unpack_from(">I", body, 0)[0] + 1
+                if seq > self.seq:
+                    self.seq = seq
+            pos = nxt
+        self.fend = pos
+        if cur > pos:
+            cur = pos
+        self.cursor = cur
+        self._count()
+        if torn:
+            self._log("warning", "bridge queue %s: torn tail at %d ignored" % (path, pos))
+            self.compact()
+
+    def _count(self):
+        n = 0
+        pos = self.cursor
+        f = self.f
+        while pos < self.fend:
+            rt, body, nxt = read_record(f, pos, self.fend)
+            if rt is None:
+                break
+            if rt == T_MSG:
+                n += 1
+            elif rt == T_REL and len(body) == 4:
+                self.rel[unpack_from(">I", body, 0)[0]] = 1
+            pos = nxt
+        self.count = n
+
+    def _create(self):
+        self.created = True
+        g = open(self.path, "wb")
+        g.write(HEADER)
+        _sync(g)
+        g.close()
+        self.f = open(self.path, "r+b")
+        self.fend = _HDR
+        self.cursor = _HDR
+
+    # -------------------------------------------------------------- writing
+    def append(self, qos, flags, exp, wall, topic_b, props, payload):
+        """Appends one message; False when the full policy refused it."""
+        rec = record(T_MSG, msg_body(self.seq, qos, flags, exp, wall, topic_b, props, payload))
+        # room for the record and the cursor record the next commit may add
+        n = len(rec) + 17
+        if self.nbytes + n > self.budget:
+            if not self.drop_oldest or n > self.budget:
+                self.drops += 1
+                return False
+            while self.count and self.nbytes + n > self.budget:
+                self._drop_first()
+        self.wb.extend(rec)
+        self.count += 1
+        self.seq = (self.seq + 1) & 0x3FFFFFFF
+        return True
+
+    def _drop_first(self):
+        # when_full drop_oldest: the cursor skips the oldest message (one
+        # in flight is forgotten: its acknowledgement moves nothing)
+        pos = self.cursor
+        while pos < self.end:
+            rt, body, nxt = self.read(pos)
+            if rt is None:
+                break
+            pos = nxt
+            if rt == T_MSG:
+                break
+        self.advance(pos, 1)
+        self.drops += 1
+
+    def read(self, pos):
+        """(type, body, next) of the record at pos, committed or buffered."""
+        if pos >= self.fend:
+            i = pos - self.fend
+            wb = self.wb
+            if len(wb) - i < 9:
+                return None, None, pos
+            blen = unpack_from(">I", wb, i + 1)[0]
+            return wb[i], memoryview(wb)[i + 5:i + 5 + blen], pos + 9 + blen
+        rb = self.rb
+        i = pos - self.rb_off
+        if rb is not None and 0 <= i and i + 5 <= len(rb):
+            blen = unpack_from(">I", rb, i + 1)[0]
+            end = i + 9 + blen
+            if end <= len(rb):
+                body = memoryview(rb)[i + 5:i + 5 + blen]
+                if _crc32(body, _crc32(memoryview(rb)[i:i + 5])) & _U32 \
+                        != unpack_from(">I", rb, i + 5 + blen)[0]:
+                    return -1, None, pos + 9 + blen
+                return rb[i], body, pos + 9 + blen
+        # read ahead: the drain reads the file front to back, and one read
+        # of a few KB costs less than two small reads per record
+        n = min(_RA, self.fend - pos)
+        if n >= 9:
+            f = self.f
+            f.seek(pos)
+            self.rb = f.read(n)
+            self.rb_off = pos
+            blen = unpack_from(">I", self.rb, 1)[0]
+            if 9 + blen <= len(self.rb):
+                return self.read(pos)
+        return read_record(self.f, pos, self.fend)
+
+    def advance(self, pos, n):
+        """The upstream acknowledged everything before pos (n messages)."""
+        if pos <= self.cursor:
+            return
+        self.cursor = pos
+        self.count -= n
+        if self.count < 0 or pos >= self.end:
+            self.count = 0
+        self.kdirty = True
+
+    def commit(self, sync=True):
+        """Writes the buffer (and a cursor record when it moved), flushes,
+        fsyncs when sync: OSError on failure (the held acks are not sent)."""
+        if self.kdirty:
+            self.kdirty = False
+            self.wb.extend(record(T_CURSOR, pack(">II", self.cursor, self.seq)))
+        if not self.wb:
+            return
+        f = self.f
+        f.seek(self.fend)
+        n = len(self.wb)
+        r = f.write(self.wb)
+        if r is not None and r != n:
+            raise OSError(5)
+        if sync:
+            _sync(f)
+        else:
+            f.flush()
+        self.fend += n
+        self.wb = bytearray()
+        dead = self.cursor - _HDR - 17
+        if dead >= self.min_bytes and dead >= self.ratio * self.fend:
+            self.compact()
+
+    def compact(self):
+        """Streams the records from the cursor into <file>.new, then renames
+        it over the file. Offsets move down by cursor - header (moved())."""
+        if self.wb:
+            self.commit()
+        path = self.path
+        new = path + ".new"
+        g = open(new, "wb")
+        g.write(HEADER)
+        # the message numbering goes on from where it was (packet ids)
+        g.write(record(T_CURSOR, pack(">II", _HDR + 17, self.seq)))
+        f = self.f
+        pos = self.cursor
+        while pos < self.fend:
+            # record by record: an old cursor record holds an old offset, so
+            # it is rewritten (same length: offsets move by one delta)
+            rt, body, nxt = read_record(f, pos, self.fend)
+            if rt is None:
+                break
+            if rt == T_CURSOR and len(body) == 8:
+                g.write(record(T_CURSOR, pack(">II", _HDR + 17, self.seq)))
+            else:
+                f.seek(pos)
+                g.write(f.read(nxt - pos))
+            pos = nxt
+        _sync(g)
+        g.close()
+        f.close()
+        _rename(new, path)
+        self.rb = None
+        delta = self.cursor - _HDR - 17
+        self.f = open(path, "r+b")
+        self.fend -= delta
+        self.cursor = _HDR + 17
+        self.kdirty = False
+        if self.moved is not None and delta:
+            self.moved(delta)
+        return delta
+
+    def released(self, seq):
+        # PUBREC came for QoS 2 message seq: recorded before PUBREL goes
+        self.wb.extend(record(T_REL, pack(">I", seq)))
+        self.rel[seq] = 1
+
+    def close(self):
+        if self.f is not None:
+            try:
+                self.commit()
+            except OSError:
+                pass
+            self.f.close()
+            self.f = None
+
+
+# ---------------------------------------------------------------- 4. Bridge
+# An in-flight entry (Bridge.inflight, send order), a list read by slot:
+_I_PID = const(0)
+_I_OFF = const(1)    # record offset in the queue file
+_I_END = const(2)    # offset after it
+_I_ACK = const(3)    # 0 sent, 1 acknowledged, 2 PUBREC came (QoS 2: PUBREL sent)
+_I_N = const(4)      # messages it accounts for (itself + skipped ones before it)
+_I_QOS = const(5)
+_I_SEQ = const(6)
+
+
+class _Down(Exception):
+    """The link ended (closed by the peer, keep alive, protocol)."""
+
+
+class Bridge:
+    """One upstream link. The engine calls put() while routing every
+    PUBLISH and commit() in its group commit; run() is the asyncio task."""
+
+    def __init__(self, broker, c, data_dir):
+        self.broker = broker
+        self.eng = broker.engine
+        self.c = c
+        self.name = c["name"]
+        cfg = broker.cfg
+        self.durable = cfg["storage_type"] in ("disc", "disc_only")
+        self.outr = []     # outbound rules: (local filter levels, rule)
+        self.inr = []      # inbound rules: (remote filter, remote filter levels, rule)
+        for r in c["topics"]:
+            if r["direction"] in ("out", "both"):
+                self.outr.append(((r["local_prefix"] + r["pattern"]).split("/"), r))
+            if r["direction"] in ("in", "both"):
+                f = r["remote_prefix"] + r["pattern"]
+                self.inr.append((f, f.split("/"), r))
+        self.q = Queue(data_dir + "/bridge-" + self.name + ".ebrq", c["queue_bytes"],
+                       c["when_full"] == "drop_oldest", cfg["compact_ratio"],
+                       cfg["compact_min_bytes"], broker.log)
+        self.q.moved = self._moved
+        self.up = False          # CONNACK accepted, link usable
+        self.sock = None
+        self.out = bytearray()   # bytes for upstream not yet sent
+        self.inflight = []
+        self.pids = {}           # packet id -> in-flight entry
+        self.next_pid = 0
+        self.sendpos = self.q.cursor
+        self.hiwater = self.q.end  # records before it may have been sent: DUP
+        self.skipn = 0           # messages skipped since the last in-flight entry
+        self.window = c["max_inflight"]
+        self.in2 = {}            # inbound QoS 2 packet ids waiting for PUBREL
+        self.inbound = False     # publishing an upstream message locally
+        self.ev = None
+        self.last_rx = 0
+        self.last_tx = 0
+        self.last_k = 0
+        self.tokens = 0.0
+        self.t_rate = 0
+        self.fails = 0
+        self.attempts = []       # attempt times within the last minute
+        self.addr = None         # last resolved address
+        self.err = ""
+        self.sent = 0
+        self.acked = 0
+        self.dropped0 = 0        # QoS 0 messages dropped while the link was down
+        self.lskip = 0           # queued messages skipped: a newer one of their topic (latest)
+        self.latest = {}         # latest mode: topic hash -> newest record offset
+        self.lfull = 0           # latest topics beyond latest_topics
+        self.looped = 0          # 3.1.1: inbound messages dropped as possible echoes
+        self.toolarge = 0        # queued messages over the upstream's Maximum Packet Size
+        self.upmax = 268435460
+        self._rebuild_latest()
+        if self.q.created:
+            self._initial_sync()
+        self.relq = []           # PUBRELs waiting for their "R" records' commit
+        self.connects = 0        # successful connections this run
+        self.maxqos = 2
+        self.last_ping = 0
+        self.last_state = 0
+        self.rerr = None
+        self.rbuf = bytearray()
+        self.connack = None
+
+    def log(self, level, fmt, *args):
+        self.eng.log(level, "bridge %s: " % self.name + fmt, *args)
+
+    # ------------------------------------------------------- engine sink
+    def put(self, msg, retain, origin):
+        """Routing calls this for every PUBLISH; True when the message went
+        into the flash queue (its PUBACK then waits for commit())."""
+        if self.inbound:
+            return False  # came from upstream: never sent back (no loop)
+        topic = msg[0]
+        for flev, r in self.outr:
+            if eb.topic_matches(flev, topic):
+                break
+        else:
+            return False
+        rt = r["remote_prefix"] + topic[len(r["local_prefix"]):]
+        qos = min(msg[3], r["qos"])
+        exp = 0
+        flags = F_RETAIN if retain else 0
+        if msg[5]:
+            exp = int(msg[5] - self.eng.now_s + 0.999)
+            if exp <= 0:
+                return False
+            flags |= F_EXP
+        if retain and r["qos"]:
+            qos = qos or 1  # retained state must arrive: deletes included
+        if qos == 0:
+            if self.up and len(self.out) < self.eng.max_outbuf:
+                self._publish(rt.encode(), qos, retain, 0, msg[4], exp if flags & F_EXP else -1,
+                              msg[2], False)
+                self._kick()
+            else:
+                self.dropped0 += 1
+            return False
+        tb = rt.encode()
+        pos = self.q.end
+        if r["mode"] == "latest":
+            flags |= F_LATEST
+        if not self.q.append(qos, flags, exp, eb._wallclock() or 0, tb, msg[4], msg[2]):
+            return False
+        if flags & F_LATEST:
+            self._latest_at(tb, pos)
+
+        if not self.durable:
+            self.eng.sdirty = True  # written at the turn's commit, not waited for
+        self._kick()
+        return True
+
+    def commit(self):
+        self.q.commit(self.durable)
+        self._kick()
+
+    def _kick(self):
+        if self.ev is not None:
+            self.ev.set()
+
+    def _moved(self, delta):
+        # compaction moved every offset down by delta
+        self.sendpos -= delta
+        self.hiwater = max(0, self.hiwater - delta)
+        for e in self.inflight:
+            e[_I_OFF] -= delta
+            e[_I_END] -= delta
+        lx = self.latest
+        for h in list(lx):
+            if lx[h] < delta + _HDR + 17:
+                del lx[h]  # before the cursor: gone with the dead prefix
+            else:
+                lx[h] -= delta
+
+    # ------------------------------------------------------- latest mode
+    # A fixed index: CRC-32 of the upstream topic -> offset of its newest
+    # queued record, at most latest_topics entries. A record of a `latest`
+    # rule is sent only if it is that newest one; a hash shared by two
+    # topics is told apart by reading the newer record's topic.
+    def _latest_at(self, tb, pos):
+        h = _crc32(tb)
+        lx = self.latest
+        if h not in lx and len(lx) >= self.c["latest_topics"]:
+            self.lfull += 1  # untracked: queued and sent like `queue` mode
+            return
+        lx[h] = pos
+
+    def _superseded(self, tb, pos):
+        h = _crc32(tb)
+        at = self.latest.get(h)
+        if at is None or at == pos:
+            if at is not None:
+                del self.latest[h]  # the newest goes now; a later one re-enters
+            return False
+        if at < pos:
+            return False
+        rt, body, nxt = self.q.read(at)
+        m = decode_msg(body) if rt == T_MSG else None
+        return m is not None and m[4] == tb
+
+    def _rebuild_latest(self):
+        q = self.q
+        pos = q.cursor
+        while pos < q.end:
+            rt, body, nxt = q.read(pos)
+            if rt is None:
+                break
+            if rt == T_MSG:
+                m = decode_msg(body)
+                if m is not None and m[1] & F_LATEST:
+                    self._latest_at(m[4], pos)
+            pos = nxt
+
+    def _initial_sync(self):
+        # a new queue file: the upstream gets the retained state of the
+        # outbound topics once (later changes, deletes included, follow
+        # through the queue)
+        store = self.eng.store
+        for flev, r in self.outr:
+            for m in store.match(flev):
+                for f2, r2 in self.outr:
+                    if eb.topic_matches(f2, m[0]):
+                        break
+                if r2 is r:
+                    self.put(m, 1, None)
+        self.eng.sdirty = True  # committed at the first turn
+
+    # ------------------------------------------------------------ writing
+    def _publish(self, tb, qos, retain, pid, props, exp, payload, dup):
+        # written straight into the output buffer (the drain's hot path)
+        plen = len(props)
+        if self.c["protocol"] == 5:
+            if exp >= 0:
+                plen += 5  # Message Expiry Interval (3.3.2.3.3), the time left
+            pv = eb.vbi(plen) if plen > 127 else bytes((plen,))
+        else:
+            pv = b""
+            plen = 0
+        n = 2 + len(tb) + (2 if qos else 0) + len(pv) + plen + len(payload)
+        o = self.out
+        o.append(0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0))
+        o += eb.vbi(n) if n > 127 else bytes((n,))
+        o += pack(">H", len(tb))
+        o += tb
+        if qos:
+            o += pack(">H", pid)
+        if pv:
+            o += pv
+            if exp >= 0:
+                o += pack(">BI", 0x02, exp)
+            o += props
+        o += payload
+        self.sent += 1
+
+    def _pid(self):
+        # the link's own packet ids (status, SUBSCRIBE): 65001..65535
+        p = self.next_pid
+        while True:
+            p = p + 1 if _PIDS < p < 65535 else _PIDS + 1
+            if p not in self.pids:
+                self.next_pid = p
+                return p
+
+    def _fill(self, now):
+        """Sends queue records from sendpos while the window has room and
+        the replay rate allows: in file order, so per-topic order holds."""
+        q = self.q
+        rate = self.c["replay_rate"]
+        if rate:
+            self.tokens = min(rate, self.tokens + (now - self.t_rate) * rate)
+            self.t_rate = now
+        if self.sendpos < q.cursor:
+            self.sendpos = q.cursor
+        wall = None
+        while len(self.inflight) < self.window and self.sendpos < q.fend:
+            if rate and self.tokens < 1:
+                return
+            if len(self.out) > 65536:
+                return  # the socket is behind: fill again when it drains
+            pos = self.sendpos
+            rt, body, nxt = q.read(pos)
+            if rt is None:
+                self.sendpos = q.fend  # unreadable: nothing more to send
+                return
+            self.sendpos = nxt
+            if rt != T_MSG:
+                continue
+            m = decode_msg(body) if rt == T_MSG else None
+            if m is None:
+                self.skipn += 1
+                continue
+            qos, flags, exp, w, tb, props, payload, seq = m
+            if len(tb) + len(props) + len(payload) + 16 > self.upmax:
+                # MQTT-3.1.2-24: never sent (it would end the link for good)
+                self.toolarge += 1
+                self.skipn += 1
+                if not self.inflight:
+                    self._ack_upto()
+                continue
+            if flags & F_LATEST and self._superseded(tb, pos):
+                self.lskip += 1
+                self.skipn += 1
+                if not self.inflight:
+                    self._ack_upto()
+                continue
+            if flags & F_EXP:
+                if wall is None:
+                    wall = eb._wallclock() or 0
+                if w and wall:
+                    exp -= wall - w  # its lifetime went on while queued
+                if exp <= 0:
+                    self.skipn += 1  # expired in the queue: never sent
+                    if not self.inflight:
+                        self._ack_upto()
+                    continue
+            else:
+                exp = -1
+            pid = seq % _PIDS + 1
+            if pid in self.pids:
+                self.sendpos = pos  # its id is still in flight: wait for the ack
+                return
+            e = [pid, pos, nxt, 0, self.skipn + 1, qos, seq]
+            self.skipn = 0
+            self.inflight.append(e)
+            self.pids[pid] = e
+            if qos == 2 and seq in q.rel:
+                # PUBREC came before a restart: only PUBREL is left (4.3.3)
+                e[_I_ACK] = 2
+                self.out += b"\x62\x02" + eb.u16(pid)
+            else:
+                self._publish(tb, qos, flags & F_RETAIN, pid, props, exp, payload,
+                              pos < self.hiwater)
+            if rate:
+                self.tokens -= 1
+
+    def _ack_upto(self):
+        # nothing in flight: the cursor follows sendpos (skipped records)
+        if self.skipn:
+            self.q.advance(self.sendpos, self.skipn)
+            self.skipn = 0
+
+    def _acked(self, pid, comp):
+        e = self.pids.get(pid)
+        if e is None:
+            return
+        if e[_I_QOS] == 2 and not comp:
+            # PUBREC: release it (MQTT-4.3.3) once the "R" record is on
+            # flash (see _parsed); the cursor waits for PUBCOMP
+            if e[_I_ACK] == 0:
+                e[_I_ACK] = 2
+                self.q.released(e[_I_SEQ])
+            self.relq.append(pid)
+            return
+        del self.pids[pid]
+        if e[_I_QOS] == 2:
+            self.q.rel.pop(e[_I_SEQ], None)
+        e[_I_ACK] = 1
+        self.acked += 1
+        inf = self.inflight
+        n = 0
+        end = 0
+        while inf and inf[0][_I_ACK] == 1:
+            x = inf.pop(0)
+            n += x[_I_N]
+            end = x[_I_END]
+        if n:
+            if not inf and self.skipn and self.sendpos > end:
+                end = self.sendpos
+                n += self.skipn
+                self.skipn = 0
+            self.q.advance(end, n)
+
+    # ------------------------------------------------------------- the link
+    def status_topic(self):
+        rules = self.outr[0][1] if self.outr else self.c["topics"][0]
+        return rules["remote_prefix"] + "status"
+
+    def _connect_packet(self):
+        c = self.c
+        ver = c["protocol"]
+        # A persistent session (MQTT-3.1.2-4/5): in-flight QoS 2 exchanges
+        # and subscriptions survive outages and restarts; packet ids come
+        # from the queue's message numbers, the same in every run
+        flags = 0
+        body = bytearray(eb.mqstr("MQTT") + bytes((ver,)))
+        payload = bytearray(eb.mqstr(c["client_id"]))
+        if c["status"]:
+            # the upstream publishes "offline" retained when the link dies
+            flags |= 0x04 | 0x08 | 0x20  # will, will QoS 1, will retain
+            if ver == 5:
+                payload += b"\x00"  # will properties
+            payload += eb.mqstr(self.status_topic()) + eb.mqstr(b"offline")
+        if c["username"]:
+            flags |= 0x80
+            payload += eb.mqstr(c["username"])
+        if c["password"]:
+            flags |= 0x40
+            payload += eb.mqstr(c["password"])
+        body.append(flags)
+        body += eb.u16(c["keepalive"])
+        if ver == 5:
+            # Session Expiry: the upstream keeps our session (its in-flight
+            # QoS 2 state, our subscriptions) across outages; Receive
+            # Maximum: what we accept inbound
+            # Maximum Packet Size: the upstream drops what would not fit
+            # here (MQTT-3.1.2-25) instead of sending it
+            p = eb.prop_u32(0x11, 0xFFFFFFFF) + eb.prop_u16(0x21, 64) \
+                + eb.prop_u32(0x27, self.eng.max_packet)
+            body += eb.vbi(len(p)) + p
+        return eb.packet(1, 0, bytes(body + payload))
+
+    async def run(self):
+        """The link task: connect, serve, back off, again, until stopped."""
+        aio = eb._asyncio()
+        self.ev = aio.Event()
+        clock = self.broker.clock
+        self._state()
+        try:
+            while self.broker.running:
+                await self._backoff(aio, clock)
+                try:
+                    await self._session(aio, clock)
+                    self.fails = 0
+                except (OSError, _Down, eb.MqttError, ValueError) as e:
+                    self.err = _why(e)
+                    self.fails += 1
+                    self.log("warning", "link down: %s", self.err)
+                except Exception as e:  # a bug must not end the bridge for good
+                    self.err = _why(e)
+                    self.fails += 1
+                    self.log("error", "link failed: %s", self.err)
+                    eb._print_exc(e)
+                finally:
+                    self._close()
+                    self._state()
+        finally:
+            self._close()
+            self.q.close()
+
+    async def _backoff(self, aio, clock):
+        c = self.c
+        if self.fails:
+            d = min(c["retry_max"], c["retry_min"] * (1 << min(self.fails - 1, 16)))
+            d = d / 2 + _jitter(d / 2)  # up to 50% jitter: gateways do not reconnect in step
+            await aio.sleep(d)
+        # a board attempts only while its Wi-Fi is up (DNS and connect
+        # would fail anyway, and block on MicroPython)
+        while not _network_up():
+            await aio.sleep(1)
+        # at most attempts_per_minute attempts in any minute
+        now = clock()
+        a = [t for t in self.attempts if now - t < 60]
+        if len(a) >= c["attempts_per_minute"]:
+            await aio.sleep(60 - (now - a[0]))
+            now = clock()
+            a = [t for t in a if now - t < 60]
+        a.append(now)
+        self.attempts = a
+
+    async def _session(self, aio, clock):
+        c = self.c
+        try:
+            # DNS is a blocking call on MicroPython: once per attempt; the
+            # last address serves when resolution fails
+            ai = socket.getaddrinfo(c["host"], c["port"], 0, socket.SOCK_STREAM)[0]
+            self.addr = ai
+        except OSError:
+            if self.addr is None:
+                raise
+            ai = self.addr
+        s = socket.socket(ai[0], socket.SOCK_STREAM)
+        self.sock = s
+        s.setblocking(False)
+        try:
+            s.connect(ai[-1])
+        except OSError as e:
+            if e.args[0] not in _EINPROGRESS:
+                raise
+        await aio.wait_for(_writable(s), c["connect_timeout"])
+        err = _so_error(s)
+        if err:
+            raise OSError(err)
+        try:
+            s.setsockopt(eb._IPPROTO_TCP, eb._TCP_NODELAY, 1)
+        except (OSError, AttributeError):
+            pass
+        if c["tls"]:
+            s = self.sock = await self._tls(aio, s, clock() + c["connect_timeout"])
+        self.rbuf = bytearray()
+        self.connack = None
+        self.out = bytearray(self._connect_packet())
+        self.last_rx = self.last_tx = self.last_ping = clock()
+        rd = aio.create_task(self._reader(s, clock))
+        try:
+            deadline = clock() + c["connect_timeout"]
+            while self.connack is None:
+                self._flush()
+                if rd.done():
+                    raise _Down("closed before CONNACK")
+                if clock() > deadline:
+                    raise _Down("no CONNACK in connect_timeout")
+                await self._wait(aio, 0.2)
+            self._connected(clock)
+            tk = aio.create_task(self._ticker(aio))
+            try:
+                await self._serve(aio, clock, rd)
+            finally:
+                tk.cancel()
+        finally:
+            rd.cancel()
+            try:
+                await rd
+            except BaseException:
+                pass
+
+    async def _ticker(self, aio):
+        # wakes the link for keep alive, the cursor record and the replay
+        # rate: one sleeping task instead of a timeout per wait
+        rate = self.c["replay_rate"]
+        period = 0.5 if not rate else max(0.01, min(0.5, 1 / rate))
+        while True:
+            await aio.sleep(period)
+            self.ev.set()
+
+    def _connected(self, clock):
+        sp, rc, props = self.connack
+        if rc:
+            raise _Down("CONNACK refused 0x%02x" % rc)
+        self.window = min(self.c["max_inflight"], props.get(0x21, 65535))
+        self.maxqos = props.get(0x24, 2)
+        self.upmax = props.get(0x27, 268435460)  # the upstream's Maximum Packet Size
+        self.up = True
+        self.connects += 1
+        self.err = ""
+        self.log("info", "connected to %s:%d (session %s, receive maximum %d)",
+                 self.c["host"], self.c["port"], "present" if sp else "new", self.window)
+        if sp:
+            # MQTT-4.4.0-1: resend what is in flight with the same packet
+            # identifiers (PUBREL for QoS 2 past PUBREC): exactly once
+            for e in self.inflight:
+                if e[_I_ACK] == 2:
+                    self.out += b"\x62\x02" + eb.u16(e[_I_PID])
+                elif e[_I_ACK] == 0:
+                    self._resend(e)
+        else:
+            self._restart()
+        if self.c["status"]:
+            self._publish(self.status_topic().encode(), 1, 1, self._pid_status(), b"", -1,
+                          b"online", False)
+        subs = bytearray()
+        for f, fl, r in self.inr:
+            # No Local (MQTT-3.8.3-3): our own publishes never come back;
+            # Retain As Published: a retained upstream message stays retained
+            opts = r["qos"] | (0x04 | 0x08 if self.c["protocol"] == 5 else 0)
+            subs += eb.mqstr(f) + bytes((opts,))
+        if subs:
+            p = b"\x00" if self.c["protocol"] == 5 else b""
+            self.out += eb.packet(8, 2, eb.u16(self._pid_status()) + p + bytes(subs))
+        self.t_rate = clock()
+        self.tokens = 1.0
+        self._state()
+
+    def _pid_status(self):
+        # a packet id outside the queue's: its acks match no entry
+        p = self._pid()
+        self.pids[p] = [p, 0, 0, 1, 0, 0, 0]
+        return p
+
+    def _restart(self):
+        # a new upstream session: everything from the cursor goes again
+        self.hiwater = max(self.hiwater, self.sendpos)
+        self.inflight = []
+        self.pids = {}
+        self.skipn = 0
+        self.sendpos = self.q.cursor
+
+    def _resend(self, e):
+        rt, body, nxt = self.q.read(e[_I_OFF])
+        m = decode_msg(body) if rt == T_MSG else None
+        if m is None:
+            e[_I_ACK] = 1
+            return
+        qos, flags, exp, w, tb, props, payload, seq = m
+        self._publish(tb, e[_I_QOS], flags & F_RETAIN, e[_I_PID], props,
+                      exp if flags & F_EXP else -1, payload, True)
+
+    async def _wait(self, aio, t):
+        ev = self.ev
+        ev.clear()
+        if self.out and self.sock is not None:
+            # the socket is full: wait for room (or an event, or the timeout)
+            try:
+                await aio.wait_for(_writable(self.sock), t)
+            except aio.TimeoutError:
+                pass
+            return
+        try:
+            await aio.wait_for(ev.wait(), t)
+        except aio.TimeoutError:
+            pass
+
+    async def _serve(self, aio, clock, rd):
+        c = self.c
+        ka = c["keepalive"]
+        ev = self.ev
+        while self.broker.running:
+            ev.clear()  # what happens from here on wakes the wait below
+            if rd.done():
+                e = self.rerr
+                raise e if e is not None else _Down("closed by upstream")
+            now = clock()
+            if now - self.last_rx >= ka:
+                # a PINGREQ went at keepalive/2 and nothing came back since:
+                # the link is silent (a dead NAT entry, a stuck proxy)
+                raise _Down("keep alive: nothing from upstream in %d s" % ka)
+            if now - self.last_rx >= ka / 2 and now - self.last_ping >= ka / 2:
+                self.out += b"\xc0\x00"
+                self.last_ping = now
+            self._fill(now)
+            self._flush()
+            if self.q.kdirty and now - self.last_k >= 0.2:
+                self.last_k = now
+                self.q.commit(False)
+            if now - self.last_state >= 5:
+                self._state()
+            if self.out:
+                # the socket is full: wait for room (or the ticker's wake)
+                try:
+                    await aio.wait_for(_writable(self.sock), 0.5)
+                except aio.TimeoutError:
+                    pass
+            else:
+                await ev.wait()
+
+    async def _tls(self, aio, s, deadline):
+        """TLS over the connected socket, the upstream verified against the
+        profile's CA. CPython: a non-blocking handshake driven by the event
+        loop. MicroPython: its ssl module has no do_handshake(), so the
+        handshake is one blocking call bounded by connect_timeout (local
+        clients wait meanwhile: README, Bridge to the cloud)."""
+        import ssl
+        t = self.c["tls"]
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        name = t.get("server_hostname") or self.c["host"]
+        if not hasattr(ssl, "SSLWantReadError"):  # MicroPython
+            # its mbedtls may be built without PEM: DER from the files
+            ctx.load_verify_locations(cadata=_der(t["ca"]))
+            if t.get("cert"):
+                ctx.load_cert_chain(_der(t["cert"]), _der(t.get("key") or t["cert"]))
+            s.setblocking(True)
+            try:
+                s.settimeout(max(1, deadline - self.broker.clock()))
+            except (AttributeError, OSError):
+                pass
+            ss = ctx.wrap_socket(s, server_hostname=name)
+            ss.setblocking(False)
+            return ss
+        ctx.load_verify_locations(cafile=t["ca"])
+        if t.get("cert"):
+            ctx.load_cert_chain(t["cert"], t.get("key"))
+        ss = ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
+        while True:
+            try:
+                ss.do_handshake()
+                return ss
+            except ssl.SSLWantReadError:
+                w = False
+            except ssl.SSLWantWriteError:
+                w = True
+            left = deadline - self.broker.clock()
+            if left <= 0:
+                raise _Down("TLS handshake over connect_timeout")
+            await aio.wait_for(_wait_io(ss, w), left)
+
+    def _flush(self):
+        o = self.out
+        if not o or self.sock is None:
+            return
+        try:
+            n = self.sock.send(o)
+        except OSError as e:
+            if _blocked(e):
+                return
+            raise
+        if n:
+            self.out = o[n:]  # MicroPython's bytearray has no slice deletion
+
+    async def _reader(self, s, clock):
+        self.rerr = None
+        mv = memoryview(bytearray(4096))
+        pending = getattr(s, "pending", None)  # CPython TLS: bytes decrypted, not yet read
+        try:
+            while True:
+                if pending is None or not pending():
+                    await eb._io_wait(s, False)
+                try:
+                    n = eb._recv_into(s, mv)
+                except OSError as e:
+                    if not _blocked(e):
+                        raise
+                    n = -1
+                if n is None or n < 0:
+                    continue
+                if n == 0:
+                    raise _Down("closed by upstream")
+                self.last_rx = clock()
+                self.rbuf += mv[:n]
+                self._parse()
+                if self.relq:
+                    # the "R" records reach flash before any PUBREL leaves
+                    self.q.commit(True)
+                    for pid in self.relq:
+                        self.out += b"\x62\x02" + eb.u16(pid)
+                    self.relq = []
+                self._kick()
+        except Exception as e:
+            self.rerr = e
+            self._kick()
+
+    def _parse(self):
+        b = self.rbuf
+        i = 0
+        n = len(b)
+        while n - i >= 2:
+            j = i + 1
+            ln = 0
+            sh = 0
+            while True:
+                if j >= n:
+                    ln = -1
+                    break
+                d = b[j]
+                j += 1
+                ln |= (d & 0x7F) << sh
+                if not d & 0x80:
+                    break
+                sh += 7
+                if sh > 21:
+                    raise _Down("malformed length")
+            if ln > self.eng.max_packet:
+                # a 3.1.1 upstream knows no Maximum Packet Size: never buffer
+                # more than max_packet_size for one packet
+                raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
+            if ln < 0 or j + ln > n:
+                break
+            self._handle(b[i], b, j, j + ln)
+            i = j + ln
+        if i:
+            self.rbuf = b[i:]
+
+    def _handle(self, first, b, i, end):
+        t = first >> 4
+        ver5 = self.c["protocol"] == 5
+        if t == 4 or t == 7:  # PUBACK, PUBCOMP
+            self._acked(b[i] << 8 | b[i + 1], True)
+        elif t == 5:  # PUBREC
+            pid = b[i] << 8 | b[i + 1]
+            if end - i > 2 and b[i + 2] >= 0x80:
+                self._acked(pid, True)  # refused: the exchange ends (4.3.3)
+            else:
+                self._acked(pid, False)
+        elif t == 3:
+            self._inbound(first, b, i, end)
+        elif t == 6:  # PUBREL for an inbound QoS 2 message
+            pid = b[i] << 8 | b[i + 1]
+            self.in2.pop(pid, None)
+            self.out += b"\x70\x02" + eb.u16(pid)
+        elif t == 2:  # CONNACK
+            props = {}
+            if ver5 and end - i > 2:
+                props, _, _ = eb.read_props(b, i + 2, end)
+            self.connack = (b[i] & 1, b[i + 1], props)
+        elif t == 14:
+            raise _Down("DISCONNECT 0x%02x from upstream" % (b[i] if end > i else 0))
+        elif t == 9:  # SUBACK
+            pid = b[i] << 8 | b[i + 1]
+            self.pids.pop(pid, None)
+            if end > i + 2 and b[end - 1] >= 0x80:
+                self.log("warning", "upstream refused a subscription (0x%02x)", b[end - 1])
+        # PINGRESP (13): last_rx is all it does
+
+    def _inbound(self, first, b, i, end):
+        qos = first >> 1 & 3
+        tl = b[i] << 8 | b[i + 1]
+        i += 2
+        topic = str(bytes(b[i:i + tl]), "utf-8")
+        i += tl
+        pid = 0
+        if qos:
+            pid = b[i] << 8 | b[i + 1]
+            i += 2
+        props = None
+        if self.c["protocol"] == 5:
+            pr, fwd, i = eb.read_props(b, i, end)
+            props = eb.decode_props(fwd) if fwd else {}
+            if 0x02 in pr:
+                props["message_expiry_interval"] = pr[0x02]
+        payload = bytes(b[i:end])
+        if qos == 2:
+            if pid in self.in2:
+                self.out += b"\x50\x02" + eb.u16(pid)
+                return
+        ok = self._deliver(topic, payload, qos, first & 1, props)
+        if qos == 1:
+            self.out += b"\x40\x02" + eb.u16(pid)
+        elif qos == 2:
+            if ok:
+                self.in2[pid] = 1
+            self.out += b"\x50\x02" + eb.u16(pid)
+
+    def _deliver(self, topic, payload, qos, retain, props):
+        for f, fl, r in self.inr:
+            if eb.topic_matches(fl, topic):
+                break
+        else:
+            return False
+        local = r["local_prefix"] + topic[len(r["remote_prefix"]):]
+        if self.c["protocol"] == 4:
+            # 3.1.1 has no No Local: a topic the bridge also sends up may be
+            # our own message coming back, so it is not published locally
+            for flev, r2 in self.outr:
+                if eb.topic_matches(flev, local) and \
+                        r2["remote_prefix"] + local[len(r2["local_prefix"]):] == topic:
+                    self.looped += 1
+                    return True
+        self.inbound = True
+        try:
+            self.broker.publish(local, payload, min(qos, r["qos"]), bool(retain), props or None)
+        except (ValueError, OSError) as e:
+            self.log("warning", "inbound %s not published: %s", local, _why(e))
+            return False
+        finally:
+            self.inbound = False
+        return True
+
+    def _close(self):
+        s = self.sock
+        if s is None:
+            return
+        self.sock = None
+        was = self.up
+        self.up = False
+        self.out = bytearray()
+        self.in2 = {}
+        self.relq = []
+        eb._io_forget(s)
+        try:
+            s.close()
+        except OSError:
+            pass
+        if was:
+            self.hiwater = max(self.hiwater, self.sendpos)
+            self.log("info", "disconnected: %s", self.err or "-")
+
+    # ------------------------------------------------------------- status
+    def state_msg(self):
+        """$SYS/broker/bridge/<name>/state: a JSON object (connected,
+        backlog messages and bytes, oldest backlog age in seconds or null
+        when the wall clock is not set, drops, last error)."""
+        import json
+        q = self.q
+        age = None
+        if q.count and q.cursor < q.end:
+            now = eb._wallclock()
+            pos = q.cursor
+            # the first message at or after the cursor (a "K" may come first)
+            for _ in range(4):
+                rt, body, nxt = q.read(pos)
+                if rt is None:
+                    break
+                if rt == T_MSG:
+                    m = decode_msg(body)
+                    if m is not None and m[3] and now:
+                        age = max(0, now - m[3])
+                    break
+                pos = nxt
+        d = {"connected": self.up, "backlog": q.count, "backlog_bytes": q.nbytes,
+             "oldest_age": age, "drops": q.drops, "dropped_qos0": self.dropped0,
+             "latest_skipped": self.lskip, "echo_dropped": self.looped,
+             "too_large": self.toolarge,
+             "sent": self.sent, "acked": self.acked,
+             "last_error": self.err}
+        return self.eng.make_msg("$SYS/broker/bridge/%s/state" % self.name,
+                                 json.dumps(d).encode(), 0, b"", 0)
+
+    def _state(self):
+        # retained on the local side: $SYS messages are made on demand for
+        # a new subscriber (see attach()), live ones go out now
+        self.last_state = self.broker.clock()
+        eng = self.eng
+        eng.now_s = self.last_state
+        eng.publish(self.state_msg(), 1, None)
+        self.broker._kick()
+
+
+def _why(e):
+    if isinstance(e, _Down):
+        return e.args[0] if e.args else "down"
+    if isinstance(e, eb.MqttError):
+        return e.text
+    return repr(e)
+
+
+async def _writable(s):
+    await eb._io_wait(s, True)
+
+
+async def _wait_io(s, write):
+    await eb._io_wait(s, write)
+
+
+def _der(path):
+    """A certificate or key file's first PEM block as DER (or the file as
+    it is when it is DER already)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    i = data.find(b"-----BEGIN")
+    if i < 0:
+        return data
+    i = data.find(b"\n", i) + 1
+    j = data.find(b"-----END", i)
+    return binascii.a2b_base64(data[i:j].replace(b"\n", b"").replace(b"\r", b""))
+
+
+def _blocked(e):
+    # would block: EAGAIN, or TLS wanting to read or write first (CPython)
+    return (e.args and e.args[0] in eb._EAGAIN) or type(e).__name__ in (
+        "SSLWantReadError", "SSLWantWriteError")
+
+
+def _network_up():
+    """False only on a board whose station interface is not connected
+    (MicroPython's network module); hosts have no such module."""
+    try:
+        import network
+        sta = network.WLAN(network.STA_IF)
+        return not sta.active() or sta.isconnected()
+    except (ImportError, AttributeError, OSError, ValueError):
+        return True
+
+
+def _so_error(s):
+    try:
+        return s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except (AttributeError, OSError):
+        return 0  # MicroPython: the first send reports a refused connect
+
+
+# ---------------------------------------------------------------- inspect
+def inspect(path, limit=20):
+    """A read-only report of a queue file (host tools: `edgebroker store
+    inspect`): header, cursor, backlog (messages, bytes, the first `limit`),
+    dead bytes before the cursor, torn tail and corrupt records, QoS 2
+    messages past PUBREC. The decisions are the ones Queue makes at open."""
+    size = _size(path)
+    rep = {"path": path, "file_bytes": max(size, 0), "kind": "missing", "records": 0,
+           "by_type": {}, "cursor": _HDR, "next_seq": 0, "backlog": 0, "backlog_bytes": 0,
+           "dead_bytes": 0, "torn_offset": None, "torn_bytes": 0, "corrupt": 0,
+           "corrupt_offsets": [], "released": 0, "first": []}
+    if size < 0:
+        return rep
+    with open(path, "rb") as f:
+        head = f.read(_HDR)
+        if size < _HDR:
+            rep["kind"] = "partial" if head == HEADER[:size] else "bad_magic"
+            return rep
+        if head[:4] != MAGIC:
+            rep["kind"] = "bad_magic"
+            return rep
+        if head[4] != VERSION:
+            rep["kind"] = "future_version" if head[4] > VERSION else "bad_version"
+            return rep
+        rep["kind"] = "ok"
+        pos = _HDR
+        cur = _HDR
+        seq = 0
+        rel = {}
+        by = rep["by_type"]
+        while pos < size:
+            rt, body, nxt = read_record(f, pos, size)
+            if rt is None:
+                rep["torn_offset"] = pos
+                rep["torn_bytes"] = size - pos
+                break
+            rep["records"] += 1
+            if rt == -1:
+                rep["corrupt"] += 1
+                rep["corrupt_offsets"].append(pos)
+                pos = nxt
+                continue
+            k = chr(rt) if 32 < rt < 127 else "0x%02x" % rt
+            by[k] = by.get(k, 0) + 1
+            if rt == T_CURSOR and len(body) == 8:
+                cur, s2 = unpack_from(">II", body, 0)
+                seq = max(seq, s2)
+            elif rt == T_MSG and len(body) >= 4:
+                seq = max(seq, unpack_from(">I", body, 0)[0] + 1)
+            elif rt == T_REL and len(body) == 4:
+                rel[unpack_from(">I", body, 0)[0]] = 1
+            pos = nxt
+    # the backlog: from the cursor on
+    n = nb = 0
+    first = []
+    with open(path, "rb") as f:
+        p2 = cur
+        end = rep["torn_offset"] if rep["torn_offset"] is not None else size
+        while p2 < end:
+            rt, body, nxt = read_record(f, p2, end)
+            if rt is None:
+                break
+            if rt == T_MSG:
+                m = decode_msg(body)
+                if m is not None:
+                    n += 1
+                    nb += nxt - p2
+                    if len(first) < limit:
+                        first.append({"offset": p2, "seq": m[7], "qos": m[0],
+                                      "retain": bool(m[1] & F_RETAIN),
+                                      "latest": bool(m[1] & F_LATEST),
+                                      "topic": str(m[4], "utf-8"), "payload_bytes": len(m[6]),
+                                      "props_bytes": len(m[5]), "wall": m[3] or None,
+                                      "released": m[7] in rel})
+            p2 = nxt
+    rep.update(cursor=cur, next_seq=seq, backlog=n, backlog_bytes=nb, dead_bytes=cur - _HDR,
+               released=len(rel), first=first)
+    return rep
+
+
+# ---------------------------------------------------------------- 5. attach
+def attach(broker, items, data_dir):
+    """Called by edgebroker.start() when the profile has bridges: checks
+    them, opens each queue file, registers the sinks and the link tasks."""
+    if not data_dir:
+        raise ValueError("bridges: need a data directory for the queue files (--data-dir)")
+    eb._asyncio()
+    out = []
+    for c in check(items, broker.cfg["board"]):
+        b = Bridge(broker, c, data_dir)
+        broker.engine.sinks.append(b)
+        broker.extras.append(b.run)
+        out.append(b)
+    eng = broker.engine
+    made = eng.sys_msgs
+
+    def sys_msgs():
+        # the engine makes $SYS on demand (a new $SYS subscriber, every
+        # sys_interval): the bridges' state topics are part of that set
+        for m in made():
+            yield m
+        for b in out:
+            yield b.state_msg()
+    eng.sys_msgs = sys_msgs
+    return out

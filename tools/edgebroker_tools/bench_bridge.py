@@ -1,0 +1,500 @@
+"""`make bench-bridge`: the bridge to an upstream broker against mosquitto's bridge.
+
+    python -m edgebroker_tools.bench_bridge [--quick] [--json FILE]
+
+One upstream mosquitto (persistence on) and, in turn, each edge broker
+bridging `sensors/#` out at QoS 1 to `site1/gw1/` on it: edgebroker under
+CPython and under the MicroPython unix port (asyncio server, disc_only store,
+the bridge's flash queue), and mosquitto with persistence on (its defaults,
+and `autosave_interval 1` for the power-cut row). The edge reaches the
+upstream through a gate (a loopback proxy) that turns connections away
+while an outage is simulated, so the collector on the upstream is never the
+one missing messages. Scenarios:
+
+  throughput  QoS 1 messages/s from the local publisher to the upstream
+              collector, upstream up (publisher window 64, both bridges at
+              20 in flight)
+  drain       a backlog of N messages queued during an outage: seconds and
+              messages/s from the first to the last arrival once the gate opens
+  power cut   the edge SIGKILLed after a quarter of the backlog arrived and
+              restarted on the same files: messages never delivered
+  heap        bytes of heap per queued message (MicroPython, disc_only, from
+              $SYS/broker/heap/alloc before and after the backlog)
+  flash       bytes of queue file per queued message (edgebroker)
+
+Every loop is bounded in count and time; only 127.0.0.1 is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from edgebroker_tools import runner
+from edgebroker_tools.mqttclient import Client, MqttError
+
+MOSQUITTO: Final = "/usr/sbin/mosquitto"
+PAYLOAD: Final = b"x" * 32
+INFLIGHT: Final = 20
+WINDOW = 64  # the local publisher's QoS 1 window (--window)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+    finally:
+        s.close()
+
+
+def wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+class Gate:
+    """A loopback TCP proxy: closed, it accepts and drops connections."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.ls = socket.socket()
+        self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(8)
+        self.port: int = self.ls.getsockname()[1]
+        self.open = True
+        self.stopped = False
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def close_gate(self) -> None:
+        self.open = False
+        for a, b in self.pairs:
+            a.close()
+            b.close()
+        self.pairs = []
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.t.join(3)
+        self.close_gate()
+        self.ls.close()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            socks = [self.ls] + [s for p in self.pairs for s in p]
+            try:
+                ready, _, _ = select.select(socks, [], [], 0.05)
+            except (OSError, ValueError):
+                continue
+            for s in ready:
+                if s is self.ls:
+                    a, _ = self.ls.accept()
+                    if not self.open:
+                        a.close()
+                        continue
+                    try:
+                        b = socket.create_connection(("127.0.0.1", self.target))
+                    except OSError:
+                        a.close()
+                        continue
+                    for x in (a, b):
+                        x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self.pairs.append((a, b))
+                    continue
+                for pair in list(self.pairs):
+                    if s in pair:
+                        try:
+                            data = s.recv(65536)
+                        except OSError:
+                            data = b""
+                        other = pair[1] if s is pair[0] else pair[0]
+                        if data:
+                            try:
+                                other.sendall(data)
+                                continue
+                            except OSError:
+                                pass
+                        pair[0].close()
+                        pair[1].close()
+                        self.pairs.remove(pair)
+
+
+class Collector:
+    """A persistent QoS 1 subscriber on the upstream counting the arrivals
+    of the messages numbered start..start+n-1 (expect())."""
+
+    def __init__(self, port: int) -> None:
+        self.c = Client(port, "bench-collector")
+        self.c.connect(clean=False, keepalive=60)
+        self.c.subscribe([("site1/gw1/#", 1)])
+        self.lo = 0
+        self.hi = 0
+        self.seen: set[int] = set()
+        self.count = 0
+        self.first = 0.0
+        self.last = 0.0
+        self.stopped = False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def expect(self, start: int, n: int) -> None:
+        self.seen = set()
+        self.count = 0
+        self.first = 0.0
+        self.last = 0.0
+        self.lo = start
+        self.hi = start + n
+
+    def _run(self) -> None:
+        while not self.stopped:
+            try:
+                m = self.c.receive(timeout=0.5)
+            except MqttError:
+                continue
+            head = m.payload.split(b":", 1)[0]
+            if not head.isdigit():
+                continue
+            k = int(head)
+            if not self.lo <= k < self.hi:
+                continue
+            now = time.monotonic()
+            if not self.count:
+                self.first = now
+            self.count += 1
+            self.last = now
+            self.seen.add(k)
+
+    def lost(self) -> int:
+        return (self.hi - self.lo) - len(self.seen)
+
+    def wait(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.seen) >= n:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def settle(self, quiet: float, timeout: float) -> None:
+        """Returns once nothing arrived for `quiet` seconds (or at timeout)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            last = self.count
+            time.sleep(quiet)
+            if self.count == last:
+                return
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.t.join(2)
+        self.c.close()
+
+
+@dataclass
+class Edge:
+    name: str
+    kind: str  # cpython, micropython, mosquitto
+    extra: list[str] = field(default_factory=list)
+
+
+EDGES: Final = [
+    Edge("edgebroker (CPython)", "cpython"),
+    Edge("edgebroker (MicroPython)", "micropython"),
+    Edge("mosquitto", "mosquitto"),
+    Edge("mosquitto autosave_interval 1", "mosquitto", ["autosave_interval 1"]),
+]
+
+
+class EdgeProc:
+    """One edge broker process bridging to the gate."""
+
+    def __init__(self, edge: Edge, work: Path, gate_port: int) -> None:
+        self.edge = edge
+        self.work = work
+        self.gate_port = gate_port
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.data = work / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+
+    def command(self) -> list[str]:
+        if self.edge.kind == "mosquitto":
+            conf = self.work / "edge.conf"
+            conf.write_text(
+                "\n".join(
+                    [
+                        f"listener {self.port} 127.0.0.1",
+                        f"user {getpass.getuser()}",
+                        "allow_anonymous true",
+                        "persistence true",
+                        f"persistence_location {self.data}/",
+                        "max_queued_messages 0",
+                        f"max_inflight_messages {INFLIGHT}",
+                        *self.edge.extra,
+                        "connection cloud",
+                        f"address 127.0.0.1:{self.gate_port}",
+                        'topic sensors/# out 1 "" site1/gw1/',
+                        "cleansession false",
+                        "restart_timeout 1",
+                        "bridge_protocol_version mqttv50",
+                        "",
+                    ]
+                )
+            )
+            return [MOSQUITTO, "-c", str(conf)]
+        profile = {
+            "storage_type": "disc_only",
+            "max_inflight": 64,
+            "max_queued": 4096,
+            "log_level": "warning",
+            "bridges": [
+                {
+                    "name": "cloud",
+                    "host": "127.0.0.1",
+                    "port": self.gate_port,
+                    "client_id": "bench-edge",
+                    "max_inflight": INFLIGHT,
+                    "queue_bytes": 1 << 30,
+                    "retry_min": 1,
+                    "retry_max": 1,
+                    "attempts_per_minute": 60,
+                    "topics": [{"pattern": "sensors/#", "qos": 1, "remote_prefix": "site1/gw1/"}],
+                }
+            ],
+        }
+        prof = self.work / "profile.json"
+        prof.write_text(json.dumps(profile))
+        lib = runner.lib_path()
+        interp = [sys.executable]
+        if self.edge.kind == "micropython":
+            mp = Path(sys.executable).parent / "micropython"
+            interp = [str(mp), "-X", "heapsize=64m"]
+        args = ["--board", str(prof), "--port", str(self.port), "--data-dir", str(self.data)]
+        return [*interp, str(lib), *args, "--server", "async"]
+
+    def start(self) -> None:
+        log = (self.work / "edge.log").open("ab")
+        self.proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
+        )
+        log.close()
+        wait_port(self.port)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(
+                signal.SIGINT if self.edge.kind != "mosquitto" else signal.SIGTERM
+            )
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+
+@contextlib.contextmanager
+def upstream(work: Path) -> Iterator[int]:
+    port = free_port()
+    d = work / "upstream"
+    d.mkdir(parents=True, exist_ok=True)
+    conf = d / "up.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nuser {getpass.getuser()}\nallow_anonymous true\n"
+        f"persistence true\npersistence_location {d}/\nmax_queued_messages 0\n"
+    )
+    log = (d / "up.log").open("ab")
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=log)
+    log.close()
+    try:
+        wait_port(port)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def publish(port: int, n: int, start: int = 0, timeout: float = 600.0) -> float:
+    """n QoS 1 messages (payload: their number), window 64; seconds taken."""
+    pub = Client(port, "bench-pub")
+    pub.connect(keepalive=60)
+    t0 = time.monotonic()
+    items = ((f"sensors/s{i % 10}", f"{i}:".encode() + PAYLOAD) for i in range(start, start + n))
+    pub.publish_many(items, qos=1, window=WINDOW, timeout=timeout)
+    took = time.monotonic() - t0
+    pub.disconnect()
+    return took
+
+
+def sys_value(port: int, topic: str) -> float | None:
+    c = Client(port, f"bench-sys-{time.monotonic_ns()}")
+    c.connect()
+    try:
+        c.subscribe([(topic, 0)])
+        m = c.receive(timeout=3)
+        return float(m.payload)
+    except (MqttError, ValueError):
+        return None
+    finally:
+        c.close()
+
+
+def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"edge": edge.name}
+    with upstream(work) as up:
+        gate = Gate(up)
+        col = Collector(up)
+        ep = EdgeProc(edge, work / "edge", gate.port)
+        try:
+            ep.start()
+            time.sleep(1.5)  # the bridge connects
+            if not edge.extra:
+                # -- throughput, upstream up
+                col.expect(0, n_tp)
+                t0 = time.monotonic()
+                publish(ep.port, n_tp)
+                ok = col.wait(n_tp, 120)
+                # from the first local PUBLISH to the last arrival upstream
+                out["throughput_msg_s"] = n_tp / max(1e-9, col.last - t0) if ok else None
+                out["throughput_lost"] = col.lost()
+                # -- drain of a backlog
+                gate.close_gate()
+                time.sleep(1.0)
+                heap0 = None
+                if edge.kind == "micropython":
+                    heap0 = sys_value(ep.port, "$SYS/broker/heap/alloc")
+                col.expect(n_tp, n_drain)
+                publish(ep.port, n_drain, start=n_tp)
+                if edge.kind != "mosquitto":
+                    qf = ep.data / "bridge-cloud.ebrq"
+                    out["flash_bytes_per_msg"] = round((qf.stat().st_size - 8) / n_drain, 1)
+                if heap0 is not None:
+                    time.sleep(11)  # $SYS heap figures are made at most every sys_interval
+                    heap1 = sys_value(ep.port, "$SYS/broker/heap/alloc")
+                    if heap1 is not None:
+                        out["heap_bytes_per_msg"] = round((heap1 - heap0) / n_drain, 2)
+                t_open = time.monotonic()
+                gate.open = True
+                ok = col.wait(n_drain, 600)
+                out["drain_s"] = round(col.last - col.first, 2) if ok else None
+                out["drain_msg_s"] = n_drain / max(1e-9, col.last - col.first) if ok else None
+                out["drain_from_open_s"] = round(col.last - t_open, 2) if ok else None
+                out["drain_lost"] = col.lost()
+            # -- power cut mid-drain
+            gate.close_gate()
+            time.sleep(1.0)
+            base = n_tp + n_drain
+            col.expect(base, n_kill)
+            publish(ep.port, n_kill, start=base)
+            gate.open = True
+            col.wait(n_kill // 4, 120)
+            ep.kill()
+            ep.start()
+            col.wait(n_kill, 60)
+            col.settle(3.0, 60)
+            out["power_cut_lost"] = col.lost()
+            out["power_cut_duplicates"] = col.count - len(col.seen)
+        finally:
+            ep.stop()
+            col.stop()
+            gate.stop()
+    return out
+
+
+def table(rows: list[dict[str, Any]], sizes: dict[str, int]) -> str:
+    def f(v: Any, digits: int = 0) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.{digits}f}"
+        return f"{v:,}"
+
+    head = (
+        "| edge broker | forwarding QoS 1 (msg/s) | drain {d:,} (s) | drain (msg/s) | "
+        "lost in drain | lost after SIGKILL mid-drain ({k:,}) | duplicates | "
+        "heap B/queued msg | flash B/queued msg |".format(d=sizes["drain"], k=sizes["kill"])
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['edge']} | {f(r.get('throughput_msg_s'))} | {f(r.get('drain_s'), 2)} | "
+            f"{f(r.get('drain_msg_s'))} | {f(r.get('drain_lost'))} | "
+            f"{f(r.get('power_cut_lost'))} | {f(r.get('power_cut_duplicates'))} | "
+            f"{f(r.get('heap_bytes_per_msg'), 2)} | {f(r.get('flash_bytes_per_msg'), 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_bridge", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    ap.add_argument("--only", default="", help="comma-separated edge kinds to run")
+    ap.add_argument("--window", type=int, default=64, help="local publisher's QoS 1 window")
+    args = ap.parse_args(argv)
+    global WINDOW
+    WINDOW = max(1, args.window)
+    if not Path(MOSQUITTO).exists():
+        print(f"bench_bridge: {MOSQUITTO} is missing (tools/setup.sh installs it)", file=sys.stderr)
+        return 2
+    sizes = (
+        {"throughput": 2000, "drain": 5000, "kill": 2000}
+        if args.quick
+        else {"throughput": 20000, "drain": 50000, "kill": 10000}
+    )
+    only = {s for s in args.only.split(",") if s}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
+        for i, edge in enumerate(EDGES):
+            if only and edge.kind not in only:
+                continue
+            work = Path(tmp) / f"edge{i}"
+            t0 = time.monotonic()
+            row = run_edge(edge, work, sizes["throughput"], sizes["drain"], sizes["kill"])
+            row["seconds"] = round(time.monotonic() - t0, 1)
+            print(json.dumps(row), file=sys.stderr)
+            rows.append(row)
+            shutil.rmtree(work, ignore_errors=True)
+    print(table(rows, sizes))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {"sizes": sizes, "window": WINDOW, "rows": rows}
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
