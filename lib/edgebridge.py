@@ -59,8 +59,10 @@ import edgebroker as eb
 try:
     from micropython import const
 except ImportError:  # CPython
+
     def const(x):
         return x
+
 
 try:
     import random
@@ -68,8 +70,10 @@ try:
     def _jitter(n):
         return random.getrandbits(16) * n / 65536
 except ImportError:  # a port without random: no jitter beyond the clock
+
     def _jitter(n):
         return 0
+
 
 # ---------------------------------------------------------------- 1. compat
 _crc32 = binascii.crc32
@@ -84,14 +88,14 @@ HEADER = b"EBRQ\x01\x00\x00\x00"
 T_MSG = const(0x4D)
 T_CURSOR = const(0x4B)
 T_REL = const(0x52)
-_PIDS = const(65000)   # queue packet ids 1..65000; the link's own above
+_PIDS = const(65000)  # queue packet ids 1..65000; the link's own above
 F_RETAIN = const(1)
 F_EXP = const(2)
 F_LATEST = const(4)
 _HDR = const(8)
-_MHEAD = const(20)     # message body bytes before topic, props, payload
+_MHEAD = const(20)  # message body bytes before topic, props, payload
 _U32 = const(0xFFFFFFFF)
-_RA = const(8192)      # read-ahead of the drain (bytes of heap while it runs)
+_RA = const(8192)  # read-ahead of the drain (bytes of heap while it runs)
 _EINPROGRESS = (115, 36, 119)  # Linux, BSD/macOS, lwIP
 
 
@@ -102,8 +106,12 @@ def record(rt, body):
 
 
 def msg_body(seq, qos, flags, exp, wall, topic_b, props, payload):
-    return pack(">IBBIIHI", seq, qos, flags, exp, wall, len(topic_b), len(props)) \
-        + topic_b + props + payload
+    return (
+        pack(">IBBIIHI", seq, qos, flags, exp, wall, len(topic_b), len(props))
+        + topic_b
+        + props
+        + payload
+    )
 
 
 def decode_msg(body):
@@ -115,8 +123,16 @@ def decode_msg(body):
     j = _MHEAD + tl
     if j + pl > n or qos > 2:
         return None
-    return (qos, flags, exp, wall, bytes(body[_MHEAD:j]), bytes(body[j:j + pl]),
-            bytes(body[j + pl:]), seq)
+    return (
+        qos,
+        flags,
+        exp,
+        wall,
+        bytes(body[_MHEAD:j]),
+        bytes(body[j : j + pl]),
+        bytes(body[j + pl :]),
+        seq,
+    )
 
 
 def read_record(f, pos, size):
@@ -165,19 +181,33 @@ def _remove(path):
 # ---------------------------------------------------------------- 2. config
 # Every key of a bridge item: default, then (min, max) or allowed words.
 ITEM = {
-    "name": (None, None), "host": (None, None), "port": (1883, (1, 65535)),
-    "client_id": ("", None), "username": ("", None), "password": ("", None),
-    "tls": ({}, None), "keepalive": (60, (5, 65535)), "protocol": (5, (4, 5)),
-    "topics": (None, None), "queue_bytes": (1048576, (4096, 1073741824)),
+    "name": (None, None),
+    "host": (None, None),
+    "port": (1883, (1, 65535)),
+    "client_id": ("", None),
+    "username": ("", None),
+    "password": ("", None),
+    "tls": ({}, None),
+    "keepalive": (60, (5, 65535)),
+    "protocol": (5, (4, 5)),
+    "topics": (None, None),
+    "queue_bytes": (1048576, (4096, 1073741824)),
     "when_full": ("drop_oldest", ("drop_oldest", "refuse")),
-    "replay_rate": (0, (0, 1000000)), "max_inflight": (16, (1, 65535)),
-    "connect_timeout": (10, (1, 300)), "retry_min": (1, (1, 3600)),
-    "retry_max": (60, (1, 3600)), "attempts_per_minute": (6, (1, 60)),
-    "latest_topics": (256, (1, 65535)), "status": (True, None),
+    "replay_rate": (0, (0, 1000000)),
+    "max_inflight": (16, (1, 65535)),
+    "connect_timeout": (10, (1, 300)),
+    "retry_min": (1, (1, 3600)),
+    "retry_max": (60, (1, 3600)),
+    "attempts_per_minute": (6, (1, 60)),
+    "latest_topics": (256, (1, 65535)),
+    "status": (True, None),
 }
 RULE = {
-    "pattern": (None, None), "direction": ("out", ("out", "in", "both")),
-    "qos": (1, (0, 2)), "local_prefix": ("", None), "remote_prefix": ("", None),
+    "pattern": (None, None),
+    "direction": ("out", ("out", "in", "both")),
+    "qos": (1, (0, 2)),
+    "local_prefix": ("", None),
+    "remote_prefix": ("", None),
     "mode": ("queue", ("queue", "latest")),
 }
 TLS_KEYS = ("ca", "cert", "key", "server_hostname")
@@ -223,14 +253,22 @@ def check(items, board="edgebroker"):
     for i, item in enumerate(items):
         w = "bridges[%d]" % i
         c = _fill(w, item, ITEM)
-        if c["name"] in names or not c["name"] or len(c["name"]) > 32 \
-                or not all(ch.isalpha() or ch.isdigit() or ch in "_-" for ch in c["name"]):
-            raise ValueError("%s.name: %r (a unique name of letters, digits, _ and -)" % (w, c["name"]))
+        if (
+            c["name"] in names
+            or not c["name"]
+            or len(c["name"]) > 32
+            or not all(ch.isalpha() or ch.isdigit() or ch in "_-" for ch in c["name"])
+        ):
+            raise ValueError(
+                "%s.name: %r (a unique name of letters, digits, _ and -)" % (w, c["name"])
+            )
         names.append(c["name"])
         if not c["host"]:
             raise ValueError("%s.host: required" % w)
         if c["retry_min"] > c["retry_max"]:
-            raise ValueError("%s.retry_min: %r (at most retry_max %r)" % (w, c["retry_min"], c["retry_max"]))
+            raise ValueError(
+                "%s.retry_min: %r (at most retry_max %r)" % (w, c["retry_min"], c["retry_max"])
+            )
         tls = c["tls"]
         if not isinstance(tls, dict):
             raise ValueError("%s.tls: %r is not an object" % (w, tls))
@@ -246,9 +284,12 @@ def check(items, board="edgebroker"):
         for j, r in enumerate(rules):
             rw = "%s.topics[%d]" % (w, j)
             r = _fill(rw, r, RULE)
-            if not eb.valid_filter(r["local_prefix"] + r["pattern"]) \
-                    or not eb.valid_filter(r["remote_prefix"] + r["pattern"]):
-                raise ValueError("%s.pattern: %r is not a topic filter under its prefixes" % (rw, r["pattern"]))
+            if not eb.valid_filter(r["local_prefix"] + r["pattern"]) or not eb.valid_filter(
+                r["remote_prefix"] + r["pattern"]
+            ):
+                raise ValueError(
+                    "%s.pattern: %r is not a topic filter under its prefixes" % (rw, r["pattern"])
+                )
             cr.append(r)
         c["topics"] = cr
         if not c["client_id"]:
@@ -271,19 +312,19 @@ class Queue:
         self.min_bytes = min_bytes
         self._log = log
         self.f = None
-        self.wb = bytearray()   # appended, not yet written
-        self.fend = _HDR        # written (committed) end
+        self.wb = bytearray()  # appended, not yet written
+        self.fend = _HDR  # written (committed) end
         self.cursor = _HDR
-        self.count = 0          # messages at or after the cursor
+        self.count = 0  # messages at or after the cursor
         self.drops = 0
         self.corrupt = 0
-        self.kdirty = False     # cursor moved since the last "K" record
-        self.moved = None       # callback(delta) after a compaction
-        self.created = False    # a new file (no earlier state to resume)
-        self.rb = None          # read-ahead: bytes of the file from rb_off
+        self.kdirty = False  # cursor moved since the last "K" record
+        self.moved = None  # callback(delta) after a compaction
+        self.created = False  # a new file (no earlier state to resume)
+        self.rb = None  # read-ahead: bytes of the file from rb_off
         self.rb_off = 0
-        self.seq = 0            # the next message's number
-        self.rel = {}           # seqs of QoS 2 messages past PUBREC ("R" records)
+        self.seq = 0  # the next message's number
+        self.rel = {}  # seqs of QoS 2 messages past PUBREC ("R" records)
         self._open()
 
     @property
@@ -309,7 +350,10 @@ class Queue:
         head = f.read(_HDR)
         if head[:4] != MAGIC or head[4] != VERSION:
             f.close()
-            self._log("error", "bridge queue %s: not a version %d queue file, moved to .bad" % (path, VERSION))
+            self._log(
+                "error",
+                "bridge queue %s: not a version %d queue file, moved to .bad" % (path, VERSION),
+            )
             _remove(path + ".bad")
             _rename(path, path + ".bad")
             self._create()
@@ -407,16 +451,18 @@ class Queue:
             if len(wb) - i < 9:
                 return None, None, pos
             blen = unpack_from(">I", wb, i + 1)[0]
-            return wb[i], memoryview(wb)[i + 5:i + 5 + blen], pos + 9 + blen
+            return wb[i], memoryview(wb)[i + 5 : i + 5 + blen], pos + 9 + blen
         rb = self.rb
         i = pos - self.rb_off
         if rb is not None and 0 <= i and i + 5 <= len(rb):
             blen = unpack_from(">I", rb, i + 1)[0]
             end = i + 9 + blen
             if end <= len(rb):
-                body = memoryview(rb)[i + 5:i + 5 + blen]
-                if _crc32(body, _crc32(memoryview(rb)[i:i + 5])) & _U32 \
-                        != unpack_from(">I", rb, i + 5 + blen)[0]:
+                body = memoryview(rb)[i + 5 : i + 5 + blen]
+                if (
+                    _crc32(body, _crc32(memoryview(rb)[i : i + 5])) & _U32
+                    != unpack_from(">I", rb, i + 5 + blen)[0]
+                ):
                     return -1, None, pos + 9 + blen
                 return rb[i], body, pos + 9 + blen
         # read ahead: the drain reads the file front to back, and one read
@@ -523,10 +569,10 @@ class Queue:
 # ---------------------------------------------------------------- 4. Bridge
 # An in-flight entry (Bridge.inflight, send order), a list read by slot:
 _I_PID = const(0)
-_I_OFF = const(1)    # record offset in the queue file
-_I_END = const(2)    # offset after it
-_I_ACK = const(3)    # 0 sent, 1 acknowledged, 2 PUBREC came (QoS 2: PUBREL sent)
-_I_N = const(4)      # messages it accounts for (itself + skipped ones before it)
+_I_OFF = const(1)  # record offset in the queue file
+_I_END = const(2)  # offset after it
+_I_ACK = const(3)  # 0 sent, 1 acknowledged, 2 PUBREC came (QoS 2: PUBREL sent)
+_I_N = const(4)  # messages it accounts for (itself + skipped ones before it)
 _I_QOS = const(5)
 _I_SEQ = const(6)
 
@@ -546,30 +592,35 @@ class Bridge:
         self.name = c["name"]
         cfg = broker.cfg
         self.durable = cfg["storage_type"] in ("disc", "disc_only")
-        self.outr = []     # outbound rules: (local filter levels, rule)
-        self.inr = []      # inbound rules: (remote filter, remote filter levels, rule)
+        self.outr = []  # outbound rules: (local filter levels, rule)
+        self.inr = []  # inbound rules: (remote filter, remote filter levels, rule)
         for r in c["topics"]:
             if r["direction"] in ("out", "both"):
                 self.outr.append(((r["local_prefix"] + r["pattern"]).split("/"), r))
             if r["direction"] in ("in", "both"):
                 f = r["remote_prefix"] + r["pattern"]
                 self.inr.append((f, f.split("/"), r))
-        self.q = Queue(data_dir + "/bridge-" + self.name + ".ebrq", c["queue_bytes"],
-                       c["when_full"] == "drop_oldest", cfg["compact_ratio"],
-                       cfg["compact_min_bytes"], broker.log)
+        self.q = Queue(
+            data_dir + "/bridge-" + self.name + ".ebrq",
+            c["queue_bytes"],
+            c["when_full"] == "drop_oldest",
+            cfg["compact_ratio"],
+            cfg["compact_min_bytes"],
+            broker.log,
+        )
         self.q.moved = self._moved
-        self.up = False          # CONNACK accepted, link usable
+        self.up = False  # CONNACK accepted, link usable
         self.sock = None
-        self.out = bytearray()   # bytes for upstream not yet sent
+        self.out = bytearray()  # bytes for upstream not yet sent
         self.inflight = []
-        self.pids = {}           # packet id -> in-flight entry
+        self.pids = {}  # packet id -> in-flight entry
         self.next_pid = 0
         self.sendpos = self.q.cursor
         self.hiwater = self.q.end  # records before it may have been sent: DUP
-        self.skipn = 0           # messages skipped since the last in-flight entry
+        self.skipn = 0  # messages skipped since the last in-flight entry
         self.window = c["max_inflight"]
-        self.in2 = {}            # inbound QoS 2 packet ids waiting for PUBREL
-        self.inbound = False     # publishing an upstream message locally
+        self.in2 = {}  # inbound QoS 2 packet ids waiting for PUBREL
+        self.inbound = False  # publishing an upstream message locally
         self.ev = None
         self.last_rx = 0
         self.last_tx = 0
@@ -577,23 +628,23 @@ class Bridge:
         self.tokens = 0.0
         self.t_rate = 0
         self.fails = 0
-        self.attempts = []       # attempt times within the last minute
-        self.addr = None         # last resolved address
+        self.attempts = []  # attempt times within the last minute
+        self.addr = None  # last resolved address
         self.err = ""
         self.sent = 0
         self.acked = 0
-        self.dropped0 = 0        # QoS 0 messages dropped while the link was down
-        self.lskip = 0           # queued messages skipped: a newer one of their topic (latest)
-        self.latest = {}         # latest mode: topic hash -> newest record offset
-        self.lfull = 0           # latest topics beyond latest_topics
-        self.looped = 0          # 3.1.1: inbound messages dropped as possible echoes
-        self.toolarge = 0        # queued messages over the upstream's Maximum Packet Size
+        self.dropped0 = 0  # QoS 0 messages dropped while the link was down
+        self.lskip = 0  # queued messages skipped: a newer one of their topic (latest)
+        self.latest = {}  # latest mode: topic hash -> newest record offset
+        self.lfull = 0  # latest topics beyond latest_topics
+        self.looped = 0  # 3.1.1: inbound messages dropped as possible echoes
+        self.toolarge = 0  # queued messages over the upstream's Maximum Packet Size
         self.upmax = 268435460
         self._rebuild_latest()
         if self.q.created:
             self._initial_sync()
-        self.relq = []           # PUBRELs waiting for their "R" records' commit
-        self.connects = 0        # successful connections this run
+        self.relq = []  # PUBRELs waiting for their "R" records' commit
+        self.connects = 0  # successful connections this run
         self.maxqos = 2
         self.last_ping = 0
         self.last_state = 0
@@ -611,12 +662,12 @@ class Bridge:
         if self.inbound:
             return False  # came from upstream: never sent back (no loop)
         topic = msg[0]
-        for flev, r in self.outr:
+        for flev, r in self.outr:  # noqa: B007 (r is read after the break)
             if eb.topic_matches(flev, topic):
                 break
         else:
             return False
-        rt = r["remote_prefix"] + topic[len(r["local_prefix"]):]
+        rt = r["remote_prefix"] + topic[len(r["local_prefix"]) :]
         qos = min(msg[3], r["qos"])
         exp = 0
         flags = F_RETAIN if retain else 0
@@ -629,8 +680,9 @@ class Bridge:
             qos = qos or 1  # retained state must arrive: deletes included
         if qos == 0:
             if self.up and len(self.out) < self.eng.max_outbuf:
-                self._publish(rt.encode(), qos, retain, 0, msg[4], exp if flags & F_EXP else -1,
-                              msg[2], False)
+                self._publish(
+                    rt.encode(), qos, retain, 0, msg[4], exp if flags & F_EXP else -1, msg[2], False
+                )
                 self._kick()
             else:
                 self.dropped0 += 1
@@ -717,7 +769,7 @@ class Bridge:
         store = self.eng.store
         for flev, r in self.outr:
             for m in store.match(flev):
-                for f2, r2 in self.outr:
+                for f2, r2 in self.outr:  # noqa: B007 (r2 is read after the break)
                     if eb.topic_matches(f2, m[0]):
                         break
                 if r2 is r:
@@ -827,8 +879,9 @@ class Bridge:
                 e[_I_ACK] = 2
                 self.out += b"\x62\x02" + eb.u16(pid)
             else:
-                self._publish(tb, qos, flags & F_RETAIN, pid, props, exp, payload,
-                              pos < self.hiwater)
+                self._publish(
+                    tb, qos, flags & F_RETAIN, pid, props, exp, payload, pos < self.hiwater
+                )
             if rate:
                 self.tokens -= 1
 
@@ -903,8 +956,11 @@ class Bridge:
             # Maximum: what we accept inbound
             # Maximum Packet Size: the upstream drops what would not fit
             # here (MQTT-3.1.2-25) instead of sending it
-            p = eb.prop_u32(0x11, 0xFFFFFFFF) + eb.prop_u16(0x21, 64) \
+            p = (
+                eb.prop_u32(0x11, 0xFFFFFFFF)
+                + eb.prop_u16(0x21, 64)
                 + eb.prop_u32(0x27, self.eng.max_packet)
+            )
             body += eb.vbi(len(p)) + p
         return eb.packet(1, 0, bytes(body + payload))
 
@@ -1031,8 +1087,14 @@ class Bridge:
         self.up = True
         self.connects += 1
         self.err = ""
-        self.log("info", "connected to %s:%d (session %s, receive maximum %d)",
-                 self.c["host"], self.c["port"], "present" if sp else "new", self.window)
+        self.log(
+            "info",
+            "connected to %s:%d (session %s, receive maximum %d)",
+            self.c["host"],
+            self.c["port"],
+            "present" if sp else "new",
+            self.window,
+        )
         if sp:
             # MQTT-4.4.0-1: resend what is in flight with the same packet
             # identifiers (PUBREL for QoS 2 past PUBREC): exactly once
@@ -1044,10 +1106,11 @@ class Bridge:
         else:
             self._restart()
         if self.c["status"]:
-            self._publish(self.status_topic().encode(), 1, 1, self._pid_status(), b"", -1,
-                          b"online", False)
+            self._publish(
+                self.status_topic().encode(), 1, 1, self._pid_status(), b"", -1, b"online", False
+            )
         subs = bytearray()
-        for f, fl, r in self.inr:
+        for f, _fl, r in self.inr:
             # No Local (MQTT-3.8.3-3): our own publishes never come back;
             # Retain As Published: a retained upstream message stays retained
             opts = r["qos"] | (0x04 | 0x08 if self.c["protocol"] == 5 else 0)
@@ -1080,8 +1143,16 @@ class Bridge:
             e[_I_ACK] = 1
             return
         qos, flags, exp, w, tb, props, payload, seq = m
-        self._publish(tb, e[_I_QOS], flags & F_RETAIN, e[_I_PID], props,
-                      exp if flags & F_EXP else -1, payload, True)
+        self._publish(
+            tb,
+            e[_I_QOS],
+            flags & F_RETAIN,
+            e[_I_PID],
+            props,
+            exp if flags & F_EXP else -1,
+            payload,
+            True,
+        )
 
     async def _wait(self, aio, t):
         ev = self.ev
@@ -1138,6 +1209,7 @@ class Bridge:
         handshake is one blocking call bounded by connect_timeout (local
         clients wait meanwhile: README, Bridge to the cloud)."""
         import ssl
+
         t = self.c["tls"]
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.verify_mode = ssl.CERT_REQUIRED
@@ -1283,7 +1355,7 @@ class Bridge:
         qos = first >> 1 & 3
         tl = b[i] << 8 | b[i + 1]
         i += 2
-        topic = str(bytes(b[i:i + tl]), "utf-8")
+        topic = str(bytes(b[i : i + tl]), "utf-8")
         i += tl
         pid = 0
         if qos:
@@ -1309,18 +1381,20 @@ class Bridge:
             self.out += b"\x50\x02" + eb.u16(pid)
 
     def _deliver(self, topic, payload, qos, retain, props):
-        for f, fl, r in self.inr:
+        for f, fl, r in self.inr:  # noqa: B007 (read after the break)
             if eb.topic_matches(fl, topic):
                 break
         else:
             return False
-        local = r["local_prefix"] + topic[len(r["remote_prefix"]):]
+        local = r["local_prefix"] + topic[len(r["remote_prefix"]) :]
         if self.c["protocol"] == 4:
             # 3.1.1 has no No Local: a topic the bridge also sends up may be
             # our own message coming back, so it is not published locally
             for flev, r2 in self.outr:
-                if eb.topic_matches(flev, local) and \
-                        r2["remote_prefix"] + local[len(r2["local_prefix"]):] == topic:
+                if (
+                    eb.topic_matches(flev, local)
+                    and r2["remote_prefix"] + local[len(r2["local_prefix"]) :] == topic
+                ):
                     self.looped += 1
                     return True
         self.inbound = True
@@ -1358,6 +1432,7 @@ class Bridge:
         backlog messages and bytes, oldest backlog age in seconds or null
         when the wall clock is not set, drops, last error)."""
         import json
+
         q = self.q
         age = None
         if q.count and q.cursor < q.end:
@@ -1374,14 +1449,23 @@ class Bridge:
                         age = max(0, now - m[3])
                     break
                 pos = nxt
-        d = {"connected": self.up, "backlog": q.count, "backlog_bytes": q.nbytes,
-             "oldest_age": age, "drops": q.drops, "dropped_qos0": self.dropped0,
-             "latest_skipped": self.lskip, "echo_dropped": self.looped,
-             "too_large": self.toolarge,
-             "sent": self.sent, "acked": self.acked,
-             "last_error": self.err}
-        return self.eng.make_msg("$SYS/broker/bridge/%s/state" % self.name,
-                                 json.dumps(d).encode(), 0, b"", 0)
+        d = {
+            "connected": self.up,
+            "backlog": q.count,
+            "backlog_bytes": q.nbytes,
+            "oldest_age": age,
+            "drops": q.drops,
+            "dropped_qos0": self.dropped0,
+            "latest_skipped": self.lskip,
+            "echo_dropped": self.looped,
+            "too_large": self.toolarge,
+            "sent": self.sent,
+            "acked": self.acked,
+            "last_error": self.err,
+        }
+        return self.eng.make_msg(
+            "$SYS/broker/bridge/%s/state" % self.name, json.dumps(d).encode(), 0, b"", 0
+        )
 
     def _state(self):
         # retained on the local side: $SYS messages are made on demand for
@@ -1425,7 +1509,9 @@ def _der(path):
 def _blocked(e):
     # would block: EAGAIN, or TLS wanting to read or write first (CPython)
     return (e.args and e.args[0] in eb._EAGAIN) or type(e).__name__ in (
-        "SSLWantReadError", "SSLWantWriteError")
+        "SSLWantReadError",
+        "SSLWantWriteError",
+    )
 
 
 def _network_up():
@@ -1433,6 +1519,7 @@ def _network_up():
     (MicroPython's network module); hosts have no such module."""
     try:
         import network
+
         sta = network.WLAN(network.STA_IF)
         return not sta.active() or sta.isconnected()
     except (ImportError, AttributeError, OSError, ValueError):
@@ -1453,10 +1540,24 @@ def inspect(path, limit=20):
     dead bytes before the cursor, torn tail and corrupt records, QoS 2
     messages past PUBREC. The decisions are the ones Queue makes at open."""
     size = _size(path)
-    rep = {"path": path, "file_bytes": max(size, 0), "kind": "missing", "records": 0,
-           "by_type": {}, "cursor": _HDR, "next_seq": 0, "backlog": 0, "backlog_bytes": 0,
-           "dead_bytes": 0, "torn_offset": None, "torn_bytes": 0, "corrupt": 0,
-           "corrupt_offsets": [], "released": 0, "first": []}
+    rep = {
+        "path": path,
+        "file_bytes": max(size, 0),
+        "kind": "missing",
+        "records": 0,
+        "by_type": {},
+        "cursor": _HDR,
+        "next_seq": 0,
+        "backlog": 0,
+        "backlog_bytes": 0,
+        "dead_bytes": 0,
+        "torn_offset": None,
+        "torn_bytes": 0,
+        "corrupt": 0,
+        "corrupt_offsets": [],
+        "released": 0,
+        "first": [],
+    }
     if size < 0:
         return rep
     with open(path, "rb") as f:
@@ -1514,15 +1615,30 @@ def inspect(path, limit=20):
                     n += 1
                     nb += nxt - p2
                     if len(first) < limit:
-                        first.append({"offset": p2, "seq": m[7], "qos": m[0],
-                                      "retain": bool(m[1] & F_RETAIN),
-                                      "latest": bool(m[1] & F_LATEST),
-                                      "topic": str(m[4], "utf-8"), "payload_bytes": len(m[6]),
-                                      "props_bytes": len(m[5]), "wall": m[3] or None,
-                                      "released": m[7] in rel})
+                        first.append(
+                            {
+                                "offset": p2,
+                                "seq": m[7],
+                                "qos": m[0],
+                                "retain": bool(m[1] & F_RETAIN),
+                                "latest": bool(m[1] & F_LATEST),
+                                "topic": str(m[4], "utf-8"),
+                                "payload_bytes": len(m[6]),
+                                "props_bytes": len(m[5]),
+                                "wall": m[3] or None,
+                                "released": m[7] in rel,
+                            }
+                        )
             p2 = nxt
-    rep.update(cursor=cur, next_seq=seq, backlog=n, backlog_bytes=nb, dead_bytes=cur - _HDR,
-               released=len(rel), first=first)
+    rep.update(
+        cursor=cur,
+        next_seq=seq,
+        backlog=n,
+        backlog_bytes=nb,
+        dead_bytes=cur - _HDR,
+        released=len(rel),
+        first=first,
+    )
     return rep
 
 
@@ -1549,5 +1665,6 @@ def attach(broker, items, data_dir):
             yield m
         for b in out:
             yield b.state_msg()
+
     eng.sys_msgs = sys_msgs
     return out

@@ -30,18 +30,22 @@ import time
 try:
     from micropython import const
 except ImportError:  # CPython
+
     def const(x):
         return x
+
 
 try:  # MicroPython: a wrapping millisecond tick
     from time import ticks_diff as _ticks_diff
     from time import ticks_ms as _ticks_ms
 except ImportError:  # CPython
+
     def _ticks_ms():
         return int(time.monotonic() * 1000)
 
     def _ticks_diff(a, b):
         return a - b
+
 
 try:  # MicroPython heap figures and collection threshold; CPython has none
     _mem_free = gc.mem_free
@@ -64,6 +68,7 @@ def _wallclock():
     t = time.time() + _EPOCH_2000
     return int(t) if t > 1577836800 else None
 
+
 if hasattr(select.poll(), "ipoll"):
     # MicroPython: ipoll yields (socket, event) without allocating a result
     # list; sockets are registered and looked up by object.
@@ -78,6 +83,7 @@ if hasattr(select.poll(), "ipoll"):
         n = sock.readinto(mv)
         return -1 if n is None else n
 else:
+
     def _poll(p, timeout):
         return p.poll(timeout)
 
@@ -89,6 +95,7 @@ else:
             return sock.recv_into(mv)
         except BlockingIOError:
             return -1
+
 
 # A keyed hash for dicts of attacker-chosen topics: MicroPython's string
 # hash is 16 bits and unkeyed, so a flood of colliding topics would make
@@ -129,9 +136,12 @@ try:  # MicroPython (its default file is stdout: logs go to stderr)
     def _print_exc(e):
         _pe(e, sys.stderr)
 except AttributeError:  # CPython
+
     def _print_exc(e):
         import traceback
+
         traceback.print_exception(e)
+
 
 try:  # CPython: SIGTERM stops the broker the way SIGINT does
     import signal as _signal
@@ -144,8 +154,10 @@ try:  # CPython: SIGTERM stops the broker the way SIGINT does
         # a shell starts background jobs with SIGINT ignored; we want it
         _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 except ImportError:  # MicroPython: SIGINT raises KeyboardInterrupt already
+
     def _install_signals():
         pass
+
 
 # MicroPython's socket module names neither; these are Linux and lwIP values
 _IPPROTO_TCP = getattr(socket, "IPPROTO_TCP", 6)
@@ -170,6 +182,7 @@ def _peer(a):
     except (AttributeError, TypeError, IndexError, ValueError, OSError):
         return "?"
 
+
 # asyncio, loaded on first use (a poll-only host run never imports it).
 # The async server waits for a socket with _io_wait(sock, write):
 #   MicroPython: the scheduler's own poller (what its Stream and
@@ -189,8 +202,10 @@ def _asyncio():
     if _aio is not None:
         return _aio
     import asyncio
+
     core = getattr(asyncio, "core", None)
     if core is not None and hasattr(core, "_io_queue"):  # MicroPython
+
         def _wait(sock, write):
             q = core._io_queue  # looked up each time: new_event_loop() replaces it
             try:
@@ -236,6 +251,7 @@ def _asyncio():
                     if t is not None and (e[0] is t or e[1] is t):
                         t.cancel()
     else:  # CPython
+
         def _done(fut):
             if not fut.done():
                 fut.set_result(None)
@@ -270,6 +286,7 @@ def _asyncio():
             for t in tasks:
                 if t is not None and not t.done():
                     t.cancel()
+
     _io_wait = _wait
     _io_forget = _forget
     _io_stop = _stop
@@ -287,9 +304,13 @@ def _repoll(entries):
     gc.collect()
     p = select.poll()
     for e in entries:
-        p.register(e[2], (select.POLLIN if e[0] is not None else 0)
-                   | (select.POLLOUT if e[1] is not None else 0))
+        p.register(
+            e[2],
+            (select.POLLIN if e[0] is not None else 0)
+            | (select.POLLOUT if e[1] is not None else 0),
+        )
     return p
+
 
 # ------------------------------------------------------------- 2. constants
 VERSION = "0.1.0"
@@ -381,14 +402,15 @@ _T_PAIR = const(7)
 
 # Wire type of each property id (index = id, 0 = no such property): a
 # 43-byte table instead of a dict, which costs more heap.
-_PROP_TYPES = (b'\x00\x01\x03\x05\x00\x00\x00\x00\x05\x06\x00\x04\x00\x00\x00\x00'
-               b'\x00\x03\x05\x02\x00\x05'
-               b'\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01')
+_PROP_TYPES = (
+    b"\x00\x01\x03\x05\x00\x00\x00\x00\x05\x06\x00\x04\x00\x00\x00\x00"
+    b"\x00\x03\x05\x02\x00\x05"
+    b"\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01"
+)
 # Properties a PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
-_FORWARDED = (_P_PAYLOAD_FORMAT, _P_CONTENT_TYPE, _P_RESPONSE_TOPIC,
-              _P_CORRELATION, _P_USER)
+_FORWARDED = (_P_PAYLOAD_FORMAT, _P_CONTENT_TYPE, _P_RESPONSE_TOPIC, _P_CORRELATION, _P_USER)
 
 _MAX_VBI = const(268435455)
 _NO_LIMIT_PACKET = const(268435460)
@@ -437,18 +459,31 @@ DEFAULTS = {
 # and consequences; the tools check profiles against it before a board sees
 # them). Numbers: (min, max); strings: the allowed words.
 _RANGES = {
-    "max_clients": (1, 65535), "max_packet_size": (128, 268435460),
-    "max_subscriptions": (1, 65535), "max_topic_length": (1, 65535),
-    "max_topic_levels": (1, 65535), "max_inflight": (1, 65535),
-    "max_queued": (1, 1000000), "max_outbuf": (256, 268435456),
-    "max_queued_bytes": (1024, 1073741824), "max_user_properties": (0, 65535),
-    "max_sessions": (0, 1000000), "topic_alias_maximum": (0, 65535),
-    "server_keep_alive": (0, 65535), "max_session_expiry": (0, 4294967295),
-    "maximum_qos": (0, 2), "heap_reserve": (0, 1073741824),
-    "max_retained_messages": (0, 1000000), "max_payload_size": (0, 268435455),
-    "expiry_interval": (0, 4294967295), "store_budget_bytes": (0, 1099511627776),
-    "compact_ratio": (0.05, 0.95), "compact_min_bytes": (0, 1073741824),
-    "sys_interval": (0, 86400), "backlog": (1, 4096), "io_chunk": (256, 1048576),
+    "max_clients": (1, 65535),
+    "max_packet_size": (128, 268435460),
+    "max_subscriptions": (1, 65535),
+    "max_topic_length": (1, 65535),
+    "max_topic_levels": (1, 65535),
+    "max_inflight": (1, 65535),
+    "max_queued": (1, 1000000),
+    "max_outbuf": (256, 268435456),
+    "max_queued_bytes": (1024, 1073741824),
+    "max_user_properties": (0, 65535),
+    "max_sessions": (0, 1000000),
+    "topic_alias_maximum": (0, 65535),
+    "server_keep_alive": (0, 65535),
+    "max_session_expiry": (0, 4294967295),
+    "maximum_qos": (0, 2),
+    "heap_reserve": (0, 1073741824),
+    "max_retained_messages": (0, 1000000),
+    "max_payload_size": (0, 268435455),
+    "expiry_interval": (0, 4294967295),
+    "store_budget_bytes": (0, 1099511627776),
+    "compact_ratio": (0.05, 0.95),
+    "compact_min_bytes": (0, 1073741824),
+    "sys_interval": (0, 86400),
+    "backlog": (1, 4096),
+    "io_chunk": (256, 1048576),
     "connect_timeout": (1, 3600),
     "storage_type": ("ram", "disc", "disc_only"),
     "log_level": ("debug", "info", "warning", "error"),
@@ -564,7 +599,7 @@ def read_u16(b, i, end):
 def read_bin(b, i, end):
     n, i = read_u16(b, i, end)
     _need(i, n, end)
-    return bytes(b[i:i + n]), i + n
+    return bytes(b[i : i + n]), i + n
 
 
 def check_utf8(raw):
@@ -591,8 +626,12 @@ def _strict_utf8(raw):
             i += 1
             continue
         nxt = raw[i + 1] if i + 1 < n else 0
-        if c in (0xC0, 0xC1) or (c == 0xE0 and nxt < 0xA0) \
-                or (c == 0xED and nxt >= 0xA0) or (c == 0xF0 and nxt < 0x90):
+        if (
+            c in (0xC0, 0xC1)
+            or (c == 0xE0 and nxt < 0xA0)
+            or (c == 0xED and nxt >= 0xA0)
+            or (c == 0xF0 and nxt < 0x90)
+        ):
             raise MqttError(_RC_MALFORMED, "invalid UTF-8")
         i += 2 if c < 0xE0 else 3 if c < 0xF0 else 4
 
@@ -662,8 +701,12 @@ def read_props(b, i, end, maxu=65535):
 
 
 # Local API properties by name (Broker.publish / subscribe callbacks).
-_PROP_NAMES = (("payload_format_indicator", _P_PAYLOAD_FORMAT), ("content_type", _P_CONTENT_TYPE),
-               ("response_topic", _P_RESPONSE_TOPIC), ("correlation_data", _P_CORRELATION))
+_PROP_NAMES = (
+    ("payload_format_indicator", _P_PAYLOAD_FORMAT),
+    ("content_type", _P_CONTENT_TYPE),
+    ("response_topic", _P_RESPONSE_TOPIC),
+    ("correlation_data", _P_CORRELATION),
+)
 
 
 def encode_props(d):
@@ -675,8 +718,9 @@ def encode_props(d):
         v = d[k]
         if k == "message_expiry_interval":
             if not isinstance(v, int) or not 0 <= v <= 0xFFFFFFFF:
-                raise ValueError("properties: message_expiry_interval %r (allowed 0..4294967295)"
-                                 % (v,))
+                raise ValueError(
+                    "properties: message_expiry_interval %r (allowed 0..4294967295)" % (v,)
+                )
             exp = v
         elif k == "user_properties":
             for pair in v:
@@ -737,6 +781,7 @@ def check_password(want, pw):
       anything else    plain text: read, warned about by config check"""
     import binascii
     import hashlib
+
     if want.startswith("pbkdf2_sha256:"):
         parts = want.split(":")
         if len(parts) != 4:
@@ -760,6 +805,7 @@ def _pbkdf2_sha256(pw, salt, n):
     # sha256 but no hmac or pbkdf2_hmac. The XOR of the n blocks runs on
     # one big integer instead of 32 bytes at a time.
     import hashlib
+
     if len(pw) > 64:
         pw = hashlib.sha256(pw).digest()
     k = pw + bytes(64 - len(pw))
@@ -906,37 +952,37 @@ _M_OWNEXP = const(6)
 # The records below are lists (mutable, smaller than instances on
 # MicroPython: no per-object attribute dict), read through named slots.
 # An in-flight entry (Session.inflight), in send order:
-_F_PID = const(0)     # packet identifier
-_F_MSG = const(1)     # the message (None once PUBREC came: only PUBREL is left)
+_F_PID = const(0)  # packet identifier
+_F_MSG = const(1)  # the message (None once PUBREC came: only PUBREL is left)
 _F_QOS = const(2)
 _F_RETAIN = const(3)  # RETAIN flag as sent
-_F_SIDS = const(4)    # Subscription Identifiers or None
-_F_REL = const(5)     # True once PUBREL was sent (QoS 2, second half)
+_F_SIDS = const(4)  # Subscription Identifiers or None
+_F_REL = const(5)  # True once PUBREL was sent (QoS 2, second half)
 # A queued entry (Session.queue), oldest first: [msg, qos, retain, sids]
 _Q_MSG = const(0)
 # A pending retained delivery (Session.rq):
-_R_IT = const(0)      # iterator over the store's matches
-_R_OPTS = const(1)    # subscription options byte
-_R_SID = const(2)     # Subscription Identifier or 0
-_R_FILT = const(3)    # the filter (UNSUBSCRIBE ends its delivery)
-_R_HELD = const(4)    # a message taken from the iterator, waiting for the window
+_R_IT = const(0)  # iterator over the store's matches
+_R_OPTS = const(1)  # subscription options byte
+_R_SID = const(2)  # Subscription Identifier or 0
+_R_FILT = const(3)  # the filter (UNSUBSCRIBE ends its delivery)
+_R_HELD = const(4)  # a message taken from the iterator, waiting for the window
 # A delayed will (Engine.wills):
-_W_AT = const(0)      # broker second it is due
+_W_AT = const(0)  # broker second it is due
 _W_SESS = const(1)
 _W_MSG = const(2)
 _W_RETAIN = const(3)
 # A matched route while one PUBLISH is routed (Engine.publish):
-_MR_QOS = const(0)    # highest granted QoS over the session's matching filters
-_MR_RAP = const(1)    # Retain As Published on any of them
-_MR_SIDS = const(2)   # their Subscription Identifiers or None
+_MR_QOS = const(0)  # highest granted QoS over the session's matching filters
+_MR_RAP = const(1)  # Retain As Published on any of them
+_MR_SIDS = const(2)  # their Subscription Identifiers or None
 
 
 def msg_size(m):
     return len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
 
 
-_PARTS = const(32)    # slot partitions, chosen by a hash of the first level
-_CH = const(32)       # slots per chunk, chunks per page
+_PARTS = const(32)  # slot partitions, chosen by a hash of the first level
+_CH = const(32)  # slots per chunk, chunks per page
 
 
 class RamStore:
@@ -962,17 +1008,17 @@ class RamStore:
     A filter with a literal first level walks one partition, not the set."""
 
     durable = False
-    read_only = False   # a FlashStore on a data dir it cannot write
-    degraded = None     # why the store is not what storage_type asked for
+    read_only = False  # a FlashStore on a data dir it cannot write
+    degraded = None  # why the store is not what storage_type asked for
 
     def __init__(self, capacity=1000):
         nb = 16
         while nb < 1024 and nb * 16 < (capacity or 16384):
             nb *= 2
         self.nb = nb
-        self.index = None   # made at the first put: an idle broker pays nothing
-        self.key = None     # the keyed hash's key, drawn at the first put
-        self.parts = None   # [chunks, first free slot or -1] per partition
+        self.index = None  # made at the first put: an idle broker pays nothing
+        self.key = None  # the keyed hash's key, drawn at the first put
+        self.parts = None  # [chunks, first free slot or -1] per partition
         self.count = 0
         self.nbytes = 0
         self._sweep = None
@@ -989,7 +1035,7 @@ class RamStore:
         d = self.index[k % self.nb]
         v = None if d is None else d.get(k)
         if v is not None:
-            for loc in (v if type(v) is list else (v,)):
+            for loc in v if type(v) is list else (v,):
                 if self._msg(loc)[_M_TOPIC] == topic:
                     return d, k, loc
         return d, k, None
@@ -1184,10 +1230,17 @@ def open_store(cfg, data_dir=None, clock=None, wallclock=None, log=None):
     if kind not in ("disc", "disc_only"):
         raise ValueError("storage_type must be ram, disc or disc_only")
     import edgestore
+
     return edgestore.FlashStore(
-        data_dir + "/retained.ebrs", mode=kind, capacity=cfg["max_retained_messages"],
-        clock=clock, wallclock=wallclock, compact_ratio=cfg["compact_ratio"],
-        compact_min_bytes=cfg["compact_min_bytes"], log=log)
+        data_dir + "/retained.ebrs",
+        mode=kind,
+        capacity=cfg["max_retained_messages"],
+        clock=clock,
+        wallclock=wallclock,
+        compact_ratio=cfg["compact_ratio"],
+        compact_min_bytes=cfg["compact_min_bytes"],
+        log=log,
+    )
 
 
 # ---------------------------------------------------------- 7. client state
@@ -1203,17 +1256,17 @@ class Session:
     tuple until the first item arrives (Engine.grow)."""
 
     conn = None
-    cb = None          # local subscription: callback(topic, payload, retained, properties)
-    subs = ()          # filter -> (options byte, subscription id)
-    inflight = ()      # in-flight entries (_F_*), send order
-    queue = ()         # queued entries (_Q_*), oldest first
-    qbytes = 0         # bytes of the queued messages (max_queued_bytes)
-    user = None        # the user name that made it: only that user resumes it
-    rq = ()            # pending retained deliveries (_R_*)
-    in2 = ()           # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
-    pid = 0            # last packet identifier used
-    expiry = 0         # Session Expiry Interval, seconds
-    gone = 0           # broker seconds when the last connection closed
+    cb = None  # local subscription: callback(topic, payload, retained, properties)
+    subs = ()  # filter -> (options byte, subscription id)
+    inflight = ()  # in-flight entries (_F_*), send order
+    queue = ()  # queued entries (_Q_*), oldest first
+    qbytes = 0  # bytes of the queued messages (max_queued_bytes)
+    user = None  # the user name that made it: only that user resumes it
+    rq = ()  # pending retained deliveries (_R_*)
+    in2 = ()  # inbound QoS 2 pids awaiting PUBREL (MQTT-4.3.3-x)
+    pid = 0  # last packet identifier used
+    expiry = 0  # Session Expiry Interval, seconds
+    gone = 0  # broker seconds when the last connection closed
 
     def __init__(self, cid):
         self.cid = cid
@@ -1228,25 +1281,25 @@ class Conn:
 
     ver = 0
     sess = None
-    pend = None        # bytearray: an incomplete packet
-    need = 0           # bytes it still lacks, once its fixed header is in
-    out = None         # bytearray waiting to be sent
-    wait = None        # server state: poll flag or the async writer task
-    task = None        # async server: the reader task
-    ka = 0             # keep alive in seconds (0 = off)
-    will = None        # (msg, retain, delay seconds)
+    pend = None  # bytearray: an incomplete packet
+    need = 0  # bytes it still lacks, once its fixed header is in
+    out = None  # bytearray waiting to be sent
+    wait = None  # server state: poll flag or the async writer task
+    task = None  # async server: the reader task
+    ka = 0  # keep alive in seconds (0 = off)
+    will = None  # (msg, retain, delay seconds)
     maxpkt = _NO_LIMIT_PACKET
-    window = 0         # outbound inflight window
-    aliases = None     # inbound Topic Alias -> topic name
-    problem = True     # Request Problem Information
-    defer = None       # acks waiting for a durable store commit
+    window = 0  # outbound inflight window
+    aliases = None  # inbound Topic Alias -> topic name
+    problem = True  # Request Problem Information
+    defer = None  # acks waiting for a durable store commit
     closed = False
     cid = ""
 
     def __init__(self, io, now, peer):
         self.io = io
-        self.peer = peer   # "address:port", for logs and $SYS
-        self.last = now    # broker seconds of the last packet received (also: opened)
+        self.peer = peer  # "address:port", for logs and $SYS
+        self.last = now  # broker seconds of the last packet received (also: opened)
 
     def out_len(self):
         o = self.out
@@ -1272,31 +1325,31 @@ class Engine:
         self.store = store if store is not None else RamStore(cfg["max_retained_messages"])
         self._loglevel = _LEVELS.get(cfg["log_level"], 20)
         self._logf = log
-        self.conns = {}       # Conn -> None: every open connection
-        self.pre = 0          # of them, connections that have not sent CONNECT yet
+        self.conns = {}  # Conn -> None: every open connection
+        self.pre = 0  # of them, connections that have not sent CONNECT yet
         self.sessions = {}
         self.tree = TopicTree()
-        self.dirty = []       # connections with bytes waiting to be sent
-        self.ended = []       # connections the engine closed: the server releases them
-        self.busy = []        # sessions with deliveries that can go on now
-        self.deferred = []    # connections with acks waiting for commit()
-        self.localq = []      # [session, msg, retain]: local callbacks to run at turn()
+        self.dirty = []  # connections with bytes waiting to be sent
+        self.ended = []  # connections the engine closed: the server releases them
+        self.busy = []  # sessions with deliveries that can go on now
+        self.deferred = []  # connections with acks waiting for commit()
+        self.localq = []  # [session, msg, retain]: local callbacks to run at turn()
         # Durable sinks: objects with put(msg, retain, origin) -> True if they
         # took it, a `durable` flag and commit() (raises OSError on failure).
         # A bridge's store-and-forward queue is one. commit() commits them
         # with the store, before the acknowledgements that waited leave.
         self.sinks = []
-        self.sdirty = False   # the store changed since the last commit()
-        self._puts = 0        # new retained topics, to pace the heap check
-        self.wills = []       # [deadline, session, msg, retain] delayed wills
+        self.sdirty = False  # the store changed since the last commit()
+        self._puts = 0  # new retained topics, to pace the heap check
+        self.wills = []  # [deadline, session, msg, retain] delayed wills
         self.connected = 0
         self.started = 0
         self.n_in = 0
         self.n_out = 0
         self.n_dropped = 0
         self.app_errors = 0
-        self._heap = None     # (when, free, allocated): the last $SYS heap figures
-        self._keep = None     # a session being taken over: bound_offline spares it
+        self._heap = None  # (when, free, allocated): the last $SYS heap figures
+        self._keep = None  # a session being taken over: bound_offline spares it
         self.refusals = {}
         self._next_id = 0
         self._last_tick = 0
@@ -1314,8 +1367,9 @@ class Engine:
         self.max_pre = max(2, c["max_clients"] // 2)
         # A CONNECT is small: its client id, will and credentials. Bytes
         # before CONNECT is accepted are bounded far below max_packet_size.
-        self.max_pre_bytes = min(self.max_packet,
-                                 1024 + c["max_topic_length"] + c["max_payload_size"])
+        self.max_pre_bytes = min(
+            self.max_packet, 1024 + c["max_topic_length"] + c["max_payload_size"]
+        )
 
     def start(self, now):
         """The engine starts serving at broker second `now`."""
@@ -1373,8 +1427,13 @@ class Engine:
         if conn.closed:
             return
         if conn.sess is not None:
-            self.log("info", "client %s disconnected by the broker: %s (0x%02x)",
-                     conn.cid, text or "-", code or 0)
+            self.log(
+                "info",
+                "client %s disconnected by the broker: %s (0x%02x)",
+                conn.cid,
+                text or "-",
+                code or 0,
+            )
         if conn.ver == 5 and code is not None:
             p = prop_str(_P_REASON_STRING, text) if text and conn.problem else b""
             if conn.sess is None:
@@ -1401,7 +1460,7 @@ class Engine:
                 # the packet's buffer was allocated whole: fill what is missing
                 size = len(pend)
                 take = need if need < n else n
-                pend[size - need:size - need + take] = data[:take]
+                pend[size - need : size - need + take] = data[:take]
                 need -= take
                 conn.need = need
                 if need:
@@ -1452,7 +1511,7 @@ class Engine:
             if j + rl > n:
                 # one buffer for the whole packet, filled as bytes arrive
                 pend = conn.pend = bytearray(size)
-                pend[0:n - i] = data[i:n]
+                pend[0 : n - i] = data[i:n]
                 conn.need = size - (n - i)
                 return
             self.handle(conn, data[i], data, j, j + rl)
@@ -1547,15 +1606,25 @@ class Engine:
             # and 3.3.2): a topic name within max_topic_length and
             # max_topic_levels, never $SYS (refused below, once the
             # protocol version is known).
-            if not valid_topic_name(wtopic) or len(wtopic.encode()) > self.cfg["max_topic_length"] \
-                    or wtopic.count("/") >= self.cfg["max_topic_levels"]:
+            if (
+                not valid_topic_name(wtopic)
+                or len(wtopic.encode()) > self.cfg["max_topic_length"]
+                or wtopic.count("/") >= self.cfg["max_topic_levels"]
+            ):
                 raise MqttError(_RC_BAD_TOPIC, "invalid will topic")
             rt = wprops.get(_P_RESPONSE_TOPIC)
             if rt is not None and not valid_topic_name(rt):
                 raise MqttError(_RC_PROTOCOL, "wildcard in will Response Topic")
             exp = wprops.get(_P_MESSAGE_EXPIRY, 0)
-            will = (wtopic, wpayload, will_qos, wfwd, exp,
-                    bool(will_retain), wprops.get(_P_WILL_DELAY, 0))
+            will = (
+                wtopic,
+                wpayload,
+                will_qos,
+                wfwd,
+                exp,
+                bool(will_retain),
+                wprops.get(_P_WILL_DELAY, 0),
+            )
         user = None
         pw = None
         if has_user:
@@ -1580,47 +1649,77 @@ class Engine:
         cfg = self.cfg
         # -- refusals, in the order a client can act on them
         if v5 and _P_AUTH_METHOD in props:
-            return self.connack_refuse(conn, _RC_BAD_AUTH_METHOD, _RC3_BAD_AUTH,
-                                       "auth", "enhanced authentication not supported")
+            return self.connack_refuse(
+                conn,
+                _RC_BAD_AUTH_METHOD,
+                _RC3_BAD_AUTH,
+                "auth",
+                "enhanced authentication not supported",
+            )
         assigned = None
         if not cid:
             if not clean and not v5:
                 # 3.1.1 MQTT-3.1.3-8: empty id needs CleanSession=1
-                return self.connack_refuse(conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID,
-                                           "client_id", "empty client id without clean session")
+                return self.connack_refuse(
+                    conn,
+                    _RC_BAD_CLIENT_ID,
+                    _RC3_BAD_ID,
+                    "client_id",
+                    "empty client id without clean session",
+                )
             cid = assigned = self.new_client_id()
         elif len(cid) > 256:
-            return self.connack_refuse(conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID,
-                                       "client_id", "client id too long")
+            return self.connack_refuse(
+                conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID, "client_id", "client id too long"
+            )
         if not self.authenticate(user, pw):
-            return self.connack_refuse(conn, _RC_BAD_AUTH, _RC3_BAD_AUTH,
-                                       "auth", "bad user name or password")
+            return self.connack_refuse(
+                conn, _RC_BAD_AUTH, _RC3_BAD_AUTH, "auth", "bad user name or password"
+            )
         old = self.sessions.get(cid)
         if old is not None and old.user != user:
             # A session belongs to the user who made it: another user's
             # CONNECT with its client id is refused, the session untouched
             # (neither taken over nor resumed nor cleaned).
-            return self.connack_refuse(conn, _RC_BAD_CLIENT_ID, _RC3_BAD_ID,
-                                       "client_id_owner", "client id belongs to another user")
+            return self.connack_refuse(
+                conn,
+                _RC_BAD_CLIENT_ID,
+                _RC3_BAD_ID,
+                "client_id_owner",
+                "client id belongs to another user",
+            )
         takeover = old is not None and old.conn is not None
         if self.connected >= cfg["max_clients"] and not takeover:
-            return self.connack_refuse(conn, _RC_QUOTA, _RC3_UNAVAILABLE,
-                                       "max_clients", "max_clients reached")
+            return self.connack_refuse(
+                conn, _RC_QUOTA, _RC3_UNAVAILABLE, "max_clients", "max_clients reached"
+            )
         if _mem_free is not None and _mem_free() < cfg["heap_reserve"]:
             gc.collect()
             if _mem_free() < cfg["heap_reserve"]:
-                return self.connack_refuse(conn, _RC_QUOTA, _RC3_UNAVAILABLE,
-                                           "heap_reserve", "free heap below heap_reserve")
+                return self.connack_refuse(
+                    conn,
+                    _RC_QUOTA,
+                    _RC3_UNAVAILABLE,
+                    "heap_reserve",
+                    "free heap below heap_reserve",
+                )
         if will is not None and will[5] and not cfg["retain_available"]:
             # MQTT-3.2.2-13: will retain without retain support -> 0x9A
-            return self.connack_refuse(conn, _RC_RETAIN_UNSUPPORTED, _RC3_UNAVAILABLE,
-                                       "retain_unavailable", "will retain not supported")
+            return self.connack_refuse(
+                conn,
+                _RC_RETAIN_UNSUPPORTED,
+                _RC3_UNAVAILABLE,
+                "retain_unavailable",
+                "will retain not supported",
+            )
         if will is not None and will[0][:4] == "$SYS":
-            return self.connack_refuse(conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED,
-                                       "sys_publish", "will topic in $SYS")
+            return self.connack_refuse(
+                conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED, "sys_publish", "will topic in $SYS"
+            )
         if will is not None and will[2] > cfg["maximum_qos"]:
-            return self.connack_refuse(conn, _RC_QOS_UNSUPPORTED, _RC3_UNAVAILABLE,
-                                       "qos", "will QoS above Maximum QoS")
+            return self.connack_refuse(
+                conn, _RC_QOS_UNSUPPORTED, _RC3_UNAVAILABLE, "qos", "will QoS above Maximum QoS"
+            )
         # -- accepted: take over, then find or make the session
         if takeover:
             # MQTT-3.1.4-3: the existing connection is closed, 5.0 with 0x8E;
@@ -1682,10 +1781,17 @@ class Engine:
             self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
         else:
             self.write(conn, bytes((0x20, 2, 1 if present else 0, 0)))
-        self.log("info",
-                 "client %s connected from %s (MQTT %s, user %s, clean %d, keep alive %d)%s",
-                 cid, conn.peer, "5.0" if v5 else "3.1.1", user or "-", 1 if clean else 0, ka,
-                 ", session present" if present else "")
+        self.log(
+            "info",
+            "client %s connected from %s (MQTT %s, user %s, clean %d, keep alive %d)%s",
+            cid,
+            conn.peer,
+            "5.0" if v5 else "3.1.1",
+            user or "-",
+            1 if clean else 0,
+            ka,
+            ", session present" if present else "",
+        )
         # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL. An
         # entry that can no longer be sent (expired while the client was
         # away, MQTT-3.3.2-5, or larger than its new Maximum Packet Size,
@@ -1696,8 +1802,9 @@ class Engine:
                 if ent[_F_REL]:
                     self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
                     keep.append(ent)
-                elif self.encode_publish(conn, ent[_F_MSG], ent[_F_QOS], ent[_F_RETAIN],
-                                         ent[_F_PID], ent[_F_SIDS], True):
+                elif self.encode_publish(
+                    conn, ent[_F_MSG], ent[_F_QOS], ent[_F_RETAIN], ent[_F_PID], ent[_F_SIDS], True
+                ):
                     keep.append(ent)
             sess.inflight = keep
         self.pump(sess)
@@ -1744,8 +1851,7 @@ class Engine:
                 offline += 1
                 if oldest is None or s.gone < oldest.gone:
                     oldest = s
-        if offline > self.cfg["max_sessions"] and oldest is not None \
-                and oldest is not self._keep:
+        if offline > self.cfg["max_sessions"] and oldest is not None and oldest is not self._keep:
             self.refuse("max_sessions", "session %s discarded", oldest.cid)
             self.end_session(oldest)
 
@@ -1814,8 +1920,10 @@ class Engine:
         if not valid_topic_name(topic):
             raise MqttError(_RC_BAD_TOPIC, "invalid topic name")  # MQTT-3.3.2-2
         cfg = self.cfg
-        if len(tb if tb is not None else topic.encode()) > cfg["max_topic_length"] \
-                or topic.count("/") >= cfg["max_topic_levels"]:
+        if (
+            len(tb if tb is not None else topic.encode()) > cfg["max_topic_length"]
+            or topic.count("/") >= cfg["max_topic_levels"]
+        ):
             raise MqttError(_RC_BAD_TOPIC, "topic over max_topic_length or max_topic_levels")
         if qos > cfg["maximum_qos"]:
             raise MqttError(_RC_QOS_UNSUPPORTED, "QoS above Maximum QoS")  # MQTT-3.2.2-11
@@ -1844,8 +1952,15 @@ class Engine:
             if len(in2) >= self.max_inflight:
                 raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
             in2[pid] = 1
-        msg = (topic, tb if tb is not None else topic.encode(), payload, qos, fwd,
-               self.now_s + exp if exp else 0, 1 if exp else 0)
+        msg = (
+            topic,
+            tb if tb is not None else topic.encode(),
+            payload,
+            qos,
+            fwd,
+            self.now_s + exp if exp else 0,
+            1 if exp else 0,
+        )
         wait = self.publish(msg, retain, sess)
         if qos:
             ack = bytes((0x40 if qos == 1 else 0x50, 2)) + u16(pid)
@@ -1955,8 +2070,15 @@ class Engine:
         if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg
-            msg = (m[_M_TOPIC], m[_M_TB], m[_M_PAYLOAD], m[_M_QOS], m[_M_PROPS],
-                   self.now_s + cfg["expiry_interval"], 0)
+            msg = (
+                m[_M_TOPIC],
+                m[_M_TB],
+                m[_M_PAYLOAD],
+                m[_M_QOS],
+                m[_M_PROPS],
+                self.now_s + cfg["expiry_interval"],
+                0,
+            )
         if old is None and _mem_free is not None:
             # The heap reserve is for connections. gc.mem_free() walks the
             # whole allocation table (about 1 ms on a 16 MB heap), so it is
@@ -1966,8 +2088,9 @@ class Engine:
             if self._puts & 15 == 0 and _mem_free() < cfg["heap_reserve"]:
                 gc.collect()
                 if _mem_free() < cfg["heap_reserve"]:
-                    self.refuse("retained_heap", "%s not stored: free heap below heap_reserve",
-                                topic)
+                    self.refuse(
+                        "retained_heap", "%s not stored: free heap below heap_reserve", topic
+                    )
                     self._puts -= 1  # ask again at the next new topic
                     return False
         try:
@@ -2158,8 +2281,12 @@ class Engine:
                 break
         else:
             if ptype == _PUBREC:
-                self.write(conn, bytes((0x62, 3 if conn.ver == 5 else 2)) + u16(pid)
-                           + (bytes((_RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""))
+                self.write(
+                    conn,
+                    bytes((0x62, 3 if conn.ver == 5 else 2))
+                    + u16(pid)
+                    + (bytes((_RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""),
+                )
             return
         if ptype == _PUBACK:
             if e[_F_QOS] != 1:
@@ -2220,8 +2347,11 @@ class Engine:
                 codes.append(_RC_SHARED_UNSUPPORTED if v5 else 0x80)
                 why = "shared subscriptions not supported"
                 continue
-            if not valid_filter(filt) or len(filt.encode()) > cfg["max_topic_length"] \
-                    or filt.count("/") >= cfg["max_topic_levels"]:
+            if (
+                not valid_filter(filt)
+                or len(filt.encode()) > cfg["max_topic_length"]
+                or filt.count("/") >= cfg["max_topic_levels"]
+            ):
                 codes.append(_RC_BAD_FILTER if v5 else 0x80)
                 why = "invalid topic filter"
                 continue
@@ -2372,8 +2502,9 @@ class Engine:
                 if c.sess is None and (oldest is None or c.last < oldest.last):
                     oldest = c
             if oldest is not None:
-                self.refuse("pre_connect", "no CONNECT from %s, dropped for a new connection",
-                            oldest.peer)
+                self.refuse(
+                    "pre_connect", "no CONNECT from %s, dropped for a new connection", oldest.peer
+                )
                 self.close(oldest, False)
         conn = Conn(io, now, peer)
         self.conns[conn] = None
@@ -2405,8 +2536,12 @@ class Engine:
         if conn.closed:
             return
         if conn.pend is not None:
-            self.log("info", "client %s closed mid-packet (%d bytes)",
-                     conn.cid or conn.peer, len(conn.pend))
+            self.log(
+                "info",
+                "client %s closed mid-packet (%d bytes)",
+                conn.cid or conn.peer,
+                len(conn.pend),
+            )
         elif conn.sess is not None:
             self.log("info", "client %s disconnected: connection lost", conn.cid)
         self.close(conn, True)
@@ -2696,6 +2831,7 @@ class Engine:
         for name, v in vals:
             yield self.make_msg("$SYS/broker/" + name, str(v).encode(), 0, b"", 0)
 
+
 # ------------------------------------------------------------- 9. servers
 class Broker:
     """A listening broker: an Engine plus the server that moves its bytes.
@@ -2718,17 +2854,17 @@ class Broker:
         self.store = self.engine.store
         self.lsock = None
         self.poller = None
-        self.socks = {}       # poll server: socket key -> Conn
-        self.rmv = None       # the shared receive buffer, through a memoryview
+        self.socks = {}  # poll server: socket key -> Conn
+        self.rmv = None  # the shared receive buffer, through a memoryview
         self.running = False
         self.host = None
         self.port = 0
         self._async = False
-        self._wake = None     # async server: set when the engine has work
+        self._wake = None  # async server: set when the engine has work
         # Coroutine functions serve_async() runs as tasks beside the server
         # and cancels when it stops (a bridge's upstream link is one).
         self.extras = []
-        self._pause = 0       # accept paused until this broker second
+        self._pause = 0  # accept paused until this broker second
 
     def log(self, level, fmt, *args):
         self.engine.log(level, fmt, *args)
@@ -3156,6 +3292,7 @@ def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
         def log(level, text):
             if _LEVELS[level] >= lvl:
                 print("edgebroker: %s %s" % (level, text), file=sys.stderr)
+
     # the store reports recovery (torn tail, corrupt records, moved aside)
     store = open_store(cfg, data_dir, clock, _wallclock, log)
     b = Broker(cfg, store, clock, log)
@@ -3167,6 +3304,7 @@ def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
     if cfg["bridges"]:
         # a separate module, loaded only by profiles that bridge
         import edgebridge
+
         edgebridge.attach(b, cfg["bridges"], data_dir)
     return b
 
@@ -3174,6 +3312,7 @@ def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
 # --------------------------------------------------------------- 11. main
 def _parse_value(v):
     import json
+
     try:
         return json.loads(v)
     except ValueError:
@@ -3195,6 +3334,7 @@ def main(argv):
     [--bind A] [--data-dir D] [--server poll|async] [--set key=value]...`.
     Errors are one line on stderr and exit status 2."""
     import json
+
     board = None
     port = 1883
     bind = "127.0.0.1"
@@ -3249,6 +3389,7 @@ def main(argv):
     def log(level, text):
         if _LEVELS[level] >= lvl:
             print("%s edgebroker: %s %s" % (_stamp(), level, text), file=sys.stderr)
+
     try:
         broker = start(profile, bind, port, data_dir, log)
     except ValueError as e:
@@ -3266,6 +3407,9 @@ def main(argv):
         sys.stdout.flush()
     except AttributeError:
         pass
+    if server == "poll" and broker.extras:
+        broker.shutdown()
+        _die("bridges: need the asyncio server (--server async)")
     try:
         if server == "async":
             _asyncio().run(broker.serve_async())

@@ -173,11 +173,13 @@ try:
 
     from micropython import const
 except ImportError:  # CPython
+
     def const(x):
         return x
 
     def _collect():
         pass
+
 
 _crc32 = binascii.crc32
 
@@ -195,10 +197,13 @@ def _new_key():
         pass
     try:
         import random
+
         return pack(">II", random.getrandbits(30), random.getrandbits(30))
     except (ImportError, AttributeError):
         return pack(">d", _default_clock()())
-_fsync = getattr(os, "fsync", None)       # CPython; MicroPython flush() syncs
+
+
+_fsync = getattr(os, "fsync", None)  # CPython; MicroPython flush() syncs
 _rename = getattr(os, "replace", os.rename)  # CPython's os.rename may not replace
 
 try:  # MicroPython: an array from raw zero bytes (no list of ints made)
@@ -207,10 +212,13 @@ try:  # MicroPython: an array from raw zero bytes (no list of ints made)
     def _zeros(n):
         return array("I", bytes(n * 4))
 except TypeError:  # CPython refuses bytes for 'I'
+
     def _zeros(n):
         return array("I", [0]) * n
 
+
 if _fsync is not None and hasattr(os, "O_RDONLY"):
+
     def _sync_dir(path):
         # a rename is durable only once its directory is (POSIX)
         i = path.rfind("/")
@@ -226,8 +234,10 @@ if _fsync is not None and hasattr(os, "O_RDONLY"):
         finally:
             os.close(fd)
 else:  # MicroPython: littlefs commits a rename before returning
+
     def _sync_dir(path):
         pass
+
 
 try:  # MicroPython: wrapping milliseconds, unwrapped here
     from time import ticks_diff as _ticks_diff
@@ -241,6 +251,7 @@ try:  # MicroPython: wrapping milliseconds, unwrapped here
             st[1] += _ticks_diff(t, st[0])
             st[0] = t
             return st[1] / 1000
+
         return clock
 except ImportError:  # CPython
     from time import monotonic as _monotonic
@@ -293,30 +304,30 @@ class Fs:
 MAGIC = b"EBRS"
 VERSION = 1
 HEADER = b"EBRS\x01\x00\x00\x00"
-T_PUT = const(0x50)    # "P"
-T_DEL = const(0x44)    # "D"
+T_PUT = const(0x50)  # "P"
+T_DEL = const(0x44)  # "D"
 T_CLOCK = const(0x43)  # "C"
-F_OWN = const(1)       # PUT flags: own Message Expiry
-F_EXP = const(2)       # has a lifetime
+F_OWN = const(1)  # PUT flags: own Message Expiry
+F_EXP = const(2)  # has a lifetime
 PUT_OVERHEAD = const(29)  # record bytes beyond topic + props + payload
 CLOCK_SIZE = const(17)
 
-EV_BAD = const(-1)     # replay() events beyond the record types
+EV_BAD = const(-1)  # replay() events beyond the record types
 EV_TORN = const(-2)
 INDEX_CHUNK = const(256)  # index slots per chunk (the host tools' heap model)
 
 _HDR = const(8)
-_OK = const(0)         # scan() statuses
+_OK = const(0)  # scan() statuses
 _BAD = const(1)
 _TORN = const(2)
-_CRC = const(3)        # _check(): a whole record with a bad CRC
-_PAST = const(4)       # _check(): its length runs past the end
-_CHUNK = const(512)    # the largest read made before a CRC vouches for a length
+_CRC = const(3)  # _check(): a whole record with a bad CRC
+_PAST = const(4)  # _check(): its length runs past the end
+_CHUNK = const(512)  # the largest read made before a CRC vouches for a length
 _KNOWN = (b"P", b"D", b"C")
 
-_CH = const(256)       # slots per index chunk
+_CH = const(256)  # slots per index chunk
 _CH2 = const(512)
-_BCH = const(1024)     # buckets per bucket chunk
+_BCH = const(1024)  # buckets per bucket chunk
 _OEXP = const(0x20000000)  # offset word: the message has a lifetime
 _OFFM = const(0x1FFFFFFF)  # offset word: file offset (files up to 512 MB)
 _U32 = const(0xFFFFFFFF)
@@ -330,6 +341,7 @@ def _buckets(nb):
 
 
 if _sha256 is not None:
+
     def _kh(key, b):
         """24-bit keyed hash of bytes b (module comment, INDEX HASH): the
         first bytes of SHA-256(key + b), a small int on every port."""
@@ -338,6 +350,7 @@ if _sha256 is not None:
         d = h.digest()
         return d[0] << 16 | d[1] << 8 | d[2]
 else:  # a build without hashlib: CRC-32, unkeyed in effect (INDEX HASH)
+
     def _kh(key, b):
         return _crc32(b, key[0] << 8 | key[1]) & 0xFFFFFF
 
@@ -371,16 +384,20 @@ def _fill(b, p0, rt, blen, parts):
     q = p0 + 5
     for p in parts:
         n = len(p)
-        mv[q:q + n] = p
+        mv[q : q + n] = p
         q += n
     pack_into(">I", b, q, _crc32(mv[p0:q]) & _U32)
 
 
 def put_parts(tb, qos, flags, remaining, stime, wall, props, payload):
     """The body of a PUT record, as parts for encode()."""
-    return (pack(">H", len(tb)), tb,
-            pack(">BBIIII", qos, flags, remaining, stime, wall, len(props)),
-            props, payload)
+    return (
+        pack(">H", len(tb)),
+        tb,
+        pack(">BBIIII", qos, flags, remaining, stime, wall, len(props)),
+        props,
+        payload,
+    )
 
 
 def decode_put(b, blen, head=False):
@@ -398,12 +415,20 @@ def decode_put(b, blen, head=False):
     if j + pl > blen or qos > 2:
         return None
     if head:
-        return bytes(b[2:2 + tl]), qos, flags, rem, st, wall, None, None
+        return bytes(b[2 : 2 + tl]), qos, flags, rem, st, wall, None, None
     if len(b) < blen:
         return None
     # bytes() copies a memoryview's slice and returns a bytes slice as it is
-    return (bytes(b[2:2 + tl]), qos, flags, rem, st, wall, bytes(b[j:j + pl]),
-            bytes(b[j + pl:blen]))
+    return (
+        bytes(b[2 : 2 + tl]),
+        qos,
+        flags,
+        rem,
+        st,
+        wall,
+        bytes(b[j : j + pl]),
+        bytes(b[j + pl : blen]),
+    )
 
 
 def _check(f, pos, size):
@@ -649,9 +674,20 @@ class FlashStore:
     read_only = False
     degraded = None
 
-    def __init__(self, path, mode="disc", capacity=1000, clock=None, wallclock=None,
-                 compact_ratio=0.5, compact_min_bytes=4096, log=None, fs=None,
-                 mark_interval=60, buffer_size=1024):
+    def __init__(
+        self,
+        path,
+        mode="disc",
+        capacity=1000,
+        clock=None,
+        wallclock=None,
+        compact_ratio=0.5,
+        compact_min_bytes=4096,
+        log=None,
+        fs=None,
+        mark_interval=60,
+        buffer_size=1024,
+    ):
         if mode != "disc" and mode != "disc_only":
             raise ValueError("mode must be 'disc' or 'disc_only'")
         self.path = path
@@ -668,20 +704,20 @@ class FlashStore:
         self.nbytes = 0
         self.bytes_written = 0
         self.compactions = 0
-        self._live = 0          # bytes of live PUT records
-        self._nexp = 0          # live messages with a lifetime
+        self._live = 0  # bytes of live PUT records
+        self._nexp = 0  # live messages with a lifetime
         self._f = None
-        self._fend = _HDR       # logical end of the file's good records
+        self._fend = _HDR  # logical end of the file's good records
         self._wb = bytearray(buffer_size)
-        self._wn = 0            # bytes waiting in _wb (offsets _fend + i)
+        self._wn = 0  # bytes waiting in _wb (offsets _fend + i)
         self._unsynced = False
-        self._torn = False      # bytes after _fend: rewrite before writing
-        self._fail = None       # the write error since the last commit
+        self._torn = False  # bytes after _fend: rewrite before writing
+        self._fail = None  # the write error since the last commit
         # changes since the last durable point, None while there are none:
         # [(count, nbytes, _live, _nexp, _fend) there, undo entries...]
         self._undo = None
-        self._skip = 0          # dead bytes below which compaction waits (after a failure)
-        self._flen = 0          # body length of the record _find last verified
+        self._skip = 0  # dead bytes below which compaction waits (after a failure)
+        self._flen = 0  # body length of the record _find last verified
         self._sweep = 0
         # the index
         # Board capacities (hundreds to a few thousand) are preallocated in
@@ -698,8 +734,8 @@ class FlashStore:
         self._msgs = [] if mode == "disc" else None
         for _ in range((min(capacity, 4096) + _CH - 1) // _CH):
             self._add_chunk()
-        self._hi = 0            # slots ever used
-        self._free = 0          # first free slot + 1 (a list through the link words)
+        self._hi = 0  # slots ever used
+        self._free = 0  # first free slot + 1 (a list through the link words)
         self._open()
 
     # ------------------------------------------------------------ helpers
@@ -758,7 +794,7 @@ class FlashStore:
         # n bytes at a logical offset: from the file or the write buffer
         if off >= self._fend:
             i = off - self._fend
-            return bytes(memoryview(self._wb)[i:i + n])
+            return bytes(memoryview(self._wb)[i : i + n])
         f = self._f
         f.seek(off)
         return f.read(n)
@@ -921,8 +957,9 @@ class FlashStore:
         else:
             c = self._ix[s >> 8]
             k = s & 255
-            self._undo.append((s, c[k], c[_CH + k],
-                               self._msgs[s >> 8][k] if self._msgs is not None else None))
+            self._undo.append(
+                (s, c[k], c[_CH + k], self._msgs[s >> 8][k] if self._msgs is not None else None)
+            )
 
     def _durable(self):
         # everything in RAM is in the file, synced: the rollback point
@@ -1023,7 +1060,7 @@ class FlashStore:
 
     def _flush_buf(self):
         if self._wn:
-            self._write(memoryview(self._wb)[:self._wn])
+            self._write(memoryview(self._wb)[: self._wn])
             self._wn = 0
 
     def _emit(self, rt, parts):
@@ -1194,8 +1231,15 @@ class FlashStore:
             topic = str(tb, "utf-8")
         except UnicodeError:
             return None
-        return (topic, tb, payload, qos, props,
-                self._deadline(st, rem, wall) if flags & F_EXP else 0, flags & F_OWN)
+        return (
+            topic,
+            tb,
+            payload,
+            qos,
+            props,
+            self._deadline(st, rem, wall) if flags & F_EXP else 0,
+            flags & F_OWN,
+        )
 
     def expire(self, now, budget):
         """Drops messages whose deadline has passed, looking at `budget`
@@ -1233,8 +1277,13 @@ class FlashStore:
                     removed += 1
             s += 1
         self._sweep = s
-        if (self._wn or self._unsynced or self._torn or self._fail is not None
-                or (self._nexp and self._stime() - self._tmark >= self._cfg[2])):
+        if (
+            self._wn
+            or self._unsynced
+            or self._torn
+            or self._fail is not None
+            or (self._nexp and self._stime() - self._tmark >= self._cfg[2])
+        ):
             try:
                 self.commit()
             except OSError as e:
@@ -1295,8 +1344,9 @@ class FlashStore:
                     self._clock_record()  # the exact runtime, for E4
                 self.commit()
         except OSError as e:
-            self._log("error", "%s: changes since the last commit lost at close (%r)"
-                      % (self.path, e))
+            self._log(
+                "error", "%s: changes since the last commit lost at close (%r)" % (self.path, e)
+            )
         finally:
             if self._f is not None and self._f is not True:
                 self._f.close()
@@ -1415,8 +1465,11 @@ class FlashStore:
             self._skip = 0
             self.compactions += 1
             if keep:
-                self._log("warning", "%s: compacted; the old file, with the bytes that "
-                          "could not be read, is kept as %s" % (path, bad))
+                self._log(
+                    "warning",
+                    "%s: compacted; the old file, with the bytes that "
+                    "could not be read, is kept as %s" % (path, bad),
+                )
             fs.sync_dir(path)
             self._f = fs.open(path, "r+b")
         finally:
@@ -1473,10 +1526,16 @@ class FlashStore:
         return self._fend + self._wn - _HDR - self._live
 
     def stats(self):
-        return {"count": self.count, "nbytes": self.nbytes, "file_bytes": self.file_bytes,
-                "live_bytes": self._live, "dead_bytes": self.dead_bytes,
-                "bytes_written": self.bytes_written, "compactions": self.compactions,
-                "expiring": self._nexp}
+        return {
+            "count": self.count,
+            "nbytes": self.nbytes,
+            "file_bytes": self.file_bytes,
+            "live_bytes": self._live,
+            "dead_bytes": self.dead_bytes,
+            "bytes_written": self.bytes_written,
+            "compactions": self.compactions,
+            "expiring": self._nexp,
+        }
 
     # ------------------------------------------------------------ opening
     def _open(self):
@@ -1488,8 +1547,15 @@ class FlashStore:
         self._t0 = 0
         self._tmark = 0
         self.open_stats = {
-            "records": 0, "live": 0, "dead_bytes": 0, "torn_bytes": 0, "corrupt": 0,
-            "skipped_unknown": 0, "expired": 0, "moved_aside": False, "created": False,
+            "records": 0,
+            "live": 0,
+            "dead_bytes": 0,
+            "torn_bytes": 0,
+            "corrupt": 0,
+            "skipped_unknown": 0,
+            "expired": 0,
+            "moved_aside": False,
+            "created": False,
         }
         try:
             if fs.exists(new):
@@ -1549,8 +1615,9 @@ class FlashStore:
             self._fs.remove(bad)
         self._fs.rename(path, bad)
         self.open_stats["moved_aside"] = True
-        self._log("warning", "%s: %s, moved aside to %s; retained store starts empty"
-                  % (path, why, bad))
+        self._log(
+            "warning", "%s: %s, moved aside to %s; retained store starts empty" % (path, why, bad)
+        )
 
     def _open_read_only(self, err):
         """The data directory cannot be written (a read-only filesystem,
@@ -1565,9 +1632,11 @@ class FlashStore:
         self._reset()
         if self._msgs is None:
             self._msgs = [[None] * _CH for _ in self._ix]
-        self._log("error", "%s: cannot be written (%r): retained store is read-only, "
-                  "served from RAM; changes are NOT kept across a restart"
-                  % (self.path, err))
+        self._log(
+            "error",
+            "%s: cannot be written (%r): retained store is read-only, "
+            "served from RAM; changes are NOT kept across a restart" % (self.path, err),
+        )
         try:
             f = self._fs.open(self.path, "rb")
         except OSError:
@@ -1581,8 +1650,7 @@ class FlashStore:
                 self._load_all(f, size)
         except (OSError, MemoryError) as e:
             self._reset()
-            self._log("error", "%s: unreadable (%r): retained store starts empty"
-                      % (self.path, e))
+            self._log("error", "%s: unreadable (%r): retained store starts empty" % (self.path, e))
 
     def _complete(self, path):
         # a .new is complete once it has a good header (it is synced before
@@ -1665,9 +1733,15 @@ class FlashStore:
                 self._ix[s >> 8][_CH + (s & 255)] = off | (_OEXP if flags & F_EXP else 0)
                 if msgs is not None:
                     # the deadline waits for the end of the scan (T is not known yet)
-                    msgs[s >> 8][s & 255] = (topic, tb, payload, qos, props,
-                                             (stime, rem, wall) if flags & F_EXP else 0,
-                                             flags & F_OWN)
+                    msgs[s >> 8][s & 255] = (
+                        topic,
+                        tb,
+                        payload,
+                        qos,
+                        props,
+                        (stime, rem, wall) if flags & F_EXP else 0,
+                        flags & F_OWN,
+                    )
                 if self.count > 4 * self._nb and self._nb < 0x100000:
                     try:
                         self._grow_buckets()
@@ -1694,8 +1768,9 @@ class FlashStore:
         if end < size:
             st["torn_bytes"] = size - end
             self._torn = True
-            self._log("warning", "%s: torn tail of %d bytes at %d ignored"
-                      % (self.path, size - end, end))
+            self._log(
+                "warning", "%s: torn tail of %d bytes at %d ignored" % (self.path, size - end, end)
+            )
         self._t0 = t0
         self._tmark = t0
         # E4: lifetimes left, now that the last runtime T is known
