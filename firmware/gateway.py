@@ -586,6 +586,13 @@ class Gateway:
         except OSError:
             store.close()
             raise
+        wifi = self.wifi
+        if wifi is not None:
+            broker.net_up = wifi.wlan.isconnected  # a bridge waits for the station
+        if cfg["bridges"]:
+            import edgebridge  # only on a board whose profile bridges
+
+            edgebridge.attach(broker, cfg["bridges"], DATA_DIR)
         gc.collect()
         print("edgebroker listening on %s:%d (%s)" % (bind, port, sys.implementation.name))
         return broker

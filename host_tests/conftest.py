@@ -154,6 +154,7 @@ class BrokerProc:
         self.cmd = cmd
         self.stdout_lines = []
         self.expected_exit = False  # set by stop()/kill()
+        self.second_sigint = False  # stop() needed a second SIGINT
         self._ready = threading.Event()
         self._reader = None
 
@@ -234,10 +235,18 @@ class BrokerProc:
             except ProcessLookupError:
                 pass
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(timeout / 2)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+                # Under heavy parallel load the MicroPython unix port has
+                # been seen (rarely) to miss the first SIGINT: one more
+                # before the kill (docs/design.md, "Open defects").
+                self.second_sigint = True
+                try:
+                    self.proc.send_signal(signal.SIGINT)
+                    self.proc.wait(timeout / 2)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    self.proc.kill()
+                    self.proc.wait(5)
         self._close_pipes()
         return self.proc.returncode
 
@@ -307,7 +316,17 @@ def broker_factory(interp, server, tmp_path, request):
         """Start a broker. ``overrides`` are profile keys merged over the
         board file. ``port``: fixed port (e.g. to restart on the same one);
         ``extra_args``: more CLI arguments; ``script``: another broker
-        script (micropython: a .mpy is imported and its main(argv) called)."""
+        script (micropython: a .mpy is imported and its main(argv) called).
+        A free port another test worker took between free_port() and the
+        broker's bind ("address in use") is retried with a new one."""
+        for attempt in range(3):
+            b = start_once(heap, board, port, extra_args, script, **overrides)
+            if b is not None:
+                return b
+        pytest.fail("no free port after 3 attempts", pytrace=False)
+
+    def start_once(heap, board, port, extra_args, script, **overrides):
+        fixed = port is not None
         counter[0] += 1
         n = counter[0]
         host = "127.0.0.1"
@@ -373,6 +392,9 @@ def broker_factory(interp, server, tmp_path, request):
         if not b._wait_ready(START_TIMEOUT):
             alive = b.alive()
             b.kill()
+            if not fixed and not alive and "address in use" in b.log_text():
+                started.remove(b)
+                return None
             pytest.fail(
                 "broker did not become ready within %.0f s (%s, exit %s)\ncmd: %s\nstdout: %s\nstderr:\n%s"
                 % (START_TIMEOUT, "still running" if alive else "died", b.proc.returncode,

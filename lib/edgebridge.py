@@ -1000,7 +1000,7 @@ class Bridge:
             await aio.sleep(d)
         # a board attempts only while its Wi-Fi is up (DNS and connect
         # would fail anyway, and block on MicroPython)
-        while not _network_up():
+        while self.broker.net_up is not None and not self.broker.net_up():
             await aio.sleep(1)
         # at most attempts_per_minute attempts in any minute
         now = clock()
@@ -1514,23 +1514,18 @@ def _blocked(e):
     )
 
 
-def _network_up():
-    """False only on a board whose station interface is not connected
-    (MicroPython's network module); hosts have no such module."""
-    try:
-        import network
-
-        sta = network.WLAN(network.STA_IF)
-        return not sta.active() or sta.isconnected()
-    except (ImportError, AttributeError, OSError, ValueError):
-        return True
+# MicroPython's socket module has no SO_ERROR: there the first send reports
+# a refused connect instead
+_SO_ERROR = getattr(socket, "SO_ERROR", None)
 
 
 def _so_error(s):
+    if _SO_ERROR is None:
+        return 0
     try:
-        return s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        return s.getsockopt(socket.SOL_SOCKET, _SO_ERROR)
     except (AttributeError, OSError):
-        return 0  # MicroPython: the first send reports a refused connect
+        return 0
 
 
 # ---------------------------------------------------------------- inspect

@@ -2864,6 +2864,9 @@ class Broker:
         # Coroutine functions serve_async() runs as tasks beside the server
         # and cancels when it stops (a bridge's upstream link is one).
         self.extras = []
+        # Whether the board's network is up, for links that reach out (a
+        # bridge): a function set by firmware; None = always (the host).
+        self.net_up = None
         self._pause = 0  # accept paused until this broker second
 
     def log(self, level, fmt, *args):

@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -123,12 +123,23 @@ def load_target(arg: str, overrides: Sequence[str] = ()) -> Target:
     return Target(checked.path, checked.name, checked.profile, warnings)
 
 
-def sources() -> list[Source]:
+#: Library modules a board gets only when its profile uses them: code is
+#: heap on a board without ROMFS, so what a profile does not use is not shipped.
+OPTIONAL_MODULES: Final = {"edgebridge": "bridges"}
+
+
+def sources(profile: Mapping[str, Any] | None = None) -> list[Source]:
     """The files a board gets, in copy order: library modules first, the
     entry points last (a board reset half-way finds no main.py rather than
-    a main.py without its modules)."""
+    a main.py without its modules). An optional module (OPTIONAL_MODULES)
+    only when `profile` sets its key."""
     root = runner.repo_root()
-    mods = sorted((root / "lib").glob("*.py"))
+    mods = [
+        p
+        for p in sorted((root / "lib").glob("*.py"))
+        if p.stem not in OPTIONAL_MODULES
+        or (profile is not None and profile.get(OPTIONAL_MODULES[p.stem]))
+    ]
     fw = sorted(p for p in (root / "firmware").glob("*.py") if p.name not in ENTRY_POINTS)
     seen: set[str] = set()
     out: list[Source] = []
@@ -249,7 +260,7 @@ def read_manifest(out_dir: Path) -> dict[str, Any] | None:
 def is_current(target: Target, out_dir: Path) -> bool:
     """dist/<board>/ was built from exactly these inputs and is intact."""
     man = read_manifest(out_dir)
-    if man is None or man.get("inputs") != inputs_digest(target, sources()):
+    if man is None or man.get("inputs") != inputs_digest(target, sources(target.profile)):
         return False
     for f in man.get("files", []):
         p = out_dir / str(f.get("path"))
@@ -260,7 +271,7 @@ def is_current(target: Target, out_dir: Path) -> bool:
 
 def build(target: Target, dist_root: Path) -> BuildResult:
     """Build dist_root/<board>/ from the sources and the profile."""
-    files = sources()
+    files = sources(target.profile)
     out_dir = dist_root / target.name
     prepare_out_dir(out_dir)
     result = BuildResult(target=target, out_dir=out_dir)

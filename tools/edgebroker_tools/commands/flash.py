@@ -246,7 +246,7 @@ def planned_files(target: build.Target, dist_dir: Path) -> list[tuple[str, Path]
     man = build.read_manifest(dist_dir)
     if man is not None:
         return [("/" + str(f["path"]), dist_dir / str(f["path"])) for f in man.get("files", [])]
-    rel = [s.remote for s in build.sources()] + [build.PROFILE_FILE]
+    rel = [s.remote for s in build.sources(target.profile)] + [build.PROFILE_FILE]
     return [("/" + r, dist_dir / r) for r in rel]
 
 
