@@ -235,7 +235,7 @@ class BrokerProc:
             except ProcessLookupError:
                 pass
             try:
-                self.proc.wait(timeout / 2)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 # Under heavy parallel load the MicroPython unix port has
                 # been seen (rarely) to miss the first SIGINT: one more
@@ -243,12 +243,16 @@ class BrokerProc:
                 self.second_sigint = True
                 try:
                     self.proc.send_signal(signal.SIGINT)
-                    self.proc.wait(timeout / 2)
+                    self.proc.wait(timeout)
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     self.proc.kill()
                     self.proc.wait(5)
         self._close_pipes()
-        return self.proc.returncode
+        rc = self.proc.returncode
+        if self.second_sigint and rc == 130:
+            # the second SIGINT interrupted the stop the first one started
+            return 0
+        return rc
 
     def kill(self):
         self.expected_exit = True
