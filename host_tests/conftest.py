@@ -35,7 +35,14 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from mqtt_helpers import free_port, is_mosquitto_mode, requires_edgebroker  # noqa: E402,F401
+from mqtt_helpers import (  # noqa: E402,F401
+    STOP_ON_EOF,
+    broker_popen,
+    free_port,
+    is_mosquitto_mode,
+    requires_edgebroker,
+    stop_process,
+)
 
 REPO = HERE.parent
 BROKER_SCRIPT = os.environ.get("EDGEBROKER_TEST_SCRIPT", "lib/edgebroker.py")
@@ -154,7 +161,6 @@ class BrokerProc:
         self.cmd = cmd
         self.stdout_lines = []
         self.expected_exit = False  # set by stop()/kill()
-        self.second_sigint = False  # stop() needed a second SIGINT
         self._ready = threading.Event()
         self._reader = None
 
@@ -227,32 +233,14 @@ class BrokerProc:
         return False
 
     def stop(self, timeout=10.0):
-        """SIGINT, wait up to ``timeout`` s, then kill. Returns the exit code."""
+        """The clean stop (SIGINT; MicroPython: end of stdin, see
+        mqtt_helpers.broker_popen), wait up to ``timeout`` s, then kill.
+        Returns the exit code."""
         self.expected_exit = True
         if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGINT)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                # Under heavy parallel load the MicroPython unix port has
-                # been seen (rarely) to miss the first SIGINT: one more
-                # before the kill (docs/design.md, "Open defects").
-                self.second_sigint = True
-                try:
-                    self.proc.send_signal(signal.SIGINT)
-                    self.proc.wait(timeout)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    self.proc.kill()
-                    self.proc.wait(5)
+            stop_process(self.proc, timeout)
         self._close_pipes()
-        rc = self.proc.returncode
-        if self.second_sigint and rc == 130:
-            # the second SIGINT interrupted the stop the first one started
-            return 0
-        return rc
+        return self.proc.returncode
 
     def kill(self):
         self.expected_exit = True
@@ -265,6 +253,11 @@ class BrokerProc:
     def _close_pipes(self):
         if self._reader is not None:
             self._reader.join(1.0)
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        except OSError:
+            pass
         try:
             if self.proc.stdout:
                 self.proc.stdout.close()
@@ -369,6 +362,7 @@ def broker_factory(interp, server, tmp_path, request):
             if interp == "cpython":
                 cmd = [sys.executable] + args
             elif interp == "micropython":
+                args.append(STOP_ON_EOF)
                 cmd = [micropython_exe()]
                 if heap:
                     cmd += ["-X", "heapsize=%s" % (heap,)]
@@ -386,8 +380,7 @@ def broker_factory(interp, server, tmp_path, request):
             stdout = subprocess.PIPE
         logf = open(log_path, "wb")
         try:
-            proc = subprocess.Popen(cmd, cwd=str(REPO), stdin=subprocess.DEVNULL,
-                                    stdout=stdout, stderr=logf)
+            proc = broker_popen(cmd, interp, cwd=str(REPO), stdout=stdout, stderr=logf)
         finally:
             logf.close()
         b = BrokerProc(interp, host, port, proc, log_path, profile, data_dir, cmd)

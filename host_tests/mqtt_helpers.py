@@ -12,6 +12,7 @@
 import collections
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -24,6 +25,56 @@ HOST = "127.0.0.1"
 
 # ---------------------------------------------------------------------------
 # mode helpers
+
+
+# A MicroPython unix-port broker is stopped by closing its standard input
+# (--stop-on-eof), and started with SIGINT blocked: that port raises
+# KeyboardInterrupt from its signal handler, and one that lands inside the
+# allocator leaves the heap lock taken for good (lib/edgebroker.py, main).
+STOP_ON_EOF = "--stop-on-eof"
+
+
+def broker_popen(cmd, interp, **kw):
+    """subprocess.Popen for a broker under ``interp``. MicroPython: stdin a
+    pipe (close it to stop the broker) and SIGINT blocked, inherited from
+    this thread's mask across fork and exec (no preexec_fn)."""
+    if interp != "micropython":
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        return subprocess.Popen(cmd, **kw)
+    kw["stdin"] = subprocess.PIPE
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return subprocess.Popen(cmd, **kw)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def request_stop(proc):
+    """The clean stop: end of stdin for a broker started with a stdin pipe
+    (broker_popen, MicroPython), SIGINT otherwise."""
+    if proc.poll() is not None:
+        return
+    if proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    else:
+        try:
+            proc.send_signal(signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+
+def stop_process(proc, timeout=10.0):
+    """request_stop, wait up to ``timeout`` s, then SIGKILL. Returns the exit code."""
+    request_stop(proc)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    return proc.returncode
 
 
 def is_mosquitto_mode():

@@ -17,7 +17,6 @@ Both interpreters.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import board_heap_64, free_port, paho_client
+from mqtt_helpers import STOP_ON_EOF, board_heap_64, broker_popen, free_port, paho_client, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "host_tests" / "portable" / "local_app.py"
@@ -61,15 +60,14 @@ class App:
                 assert r.returncode == 0, r.stderr
             heap = int(os.environ.get("EDGEBROKER_COEX_HEAP", board_heap_64(_esp32())))
             code = ("import sys\nsys.path.insert(0, %r)\nimport local_app\nlocal_app.main(%r)\n"
-                    % (str(mpy), ["local_app.py", *args]))
+                    % (str(mpy), ["local_app.py", *args, STOP_ON_EOF]))
             cmd = [_micropython(), "-X", "heapsize=%d" % heap, "-c", code]
         else:
             heap = None
             cmd = [sys.executable, str(APP), *args]
         self.log = tmp_path / ("%s.log" % mode)
         with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(cmd, cwd=str(REPO), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=err)
+            self.proc = broker_popen(cmd, interp, cwd=str(REPO), stdout=subprocess.PIPE, stderr=err)
         ready = threading.Event()
 
         def read():
@@ -102,14 +100,7 @@ class App:
         return json.loads(figs()[n].payload)
 
     def stop(self):
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        return self.proc.returncode
+        return stop_process(self.proc)
 
     def log_text(self):
         return self.log.read_text(errors="replace")

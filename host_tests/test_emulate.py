@@ -90,16 +90,10 @@ class Emulator:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            out, _ = self.proc.communicate(timeout=10)
+            out, _ = self.proc.communicate(timeout=15)
         except subprocess.TimeoutExpired:
-            # a rarely missed SIGINT on the unix port (docs/design.md, "Open
-            # defects"): once more, then kill
-            self.proc.send_signal(sig)
-            try:
-                out, _ = self.proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                out, _ = self.proc.communicate(timeout=5)
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=5)
         self.lines += out.splitlines(True)
         self.err.close()
         return self.proc.returncode
@@ -446,12 +440,7 @@ class Output:
         """SIGINT, then the exit code once every line is read."""
         self.emu.proc.send_signal(signal.SIGINT)
         try:
-            try:
-                self.emu.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                # a rarely missed SIGINT (docs/design.md, "Open defects")
-                self.emu.proc.send_signal(signal.SIGINT)
-                self.emu.proc.wait(10)
+            self.emu.proc.wait(15)
         finally:
             self.thread.join(10)
             code = self.emu.stop()

@@ -2868,6 +2868,10 @@ class Broker:
         # bridge): a function set by firmware; None = always (the host).
         self.net_up = None
         self._pause = 0  # accept paused until this broker second
+        # A byte stream whose end of file stops the server (main's
+        # --stop-on-eof): how a parent process asks a MicroPython unix-port
+        # broker to stop, since that port's own SIGINT is not safe (main).
+        self.stop_stream = None
 
     def log(self, level, fmt, *args):
         self.engine.log(level, fmt, *args)
@@ -3129,6 +3133,10 @@ class Broker:
         lsock = self.lsock
         self.poller.register(lsock, select.POLLIN)
         lkey = _key(lsock)
+        skey = None
+        if self.stop_stream is not None:
+            self.poller.register(self.stop_stream, select.POLLIN)
+            skey = _key(self.stop_stream)
         socks = self.socks
         eng = self.engine
         last = self.clock()
@@ -3148,6 +3156,9 @@ class Broker:
                         continue
                     conn = socks.get(k)
                     if conn is None or conn.closed:
+                        if skey is not None and k == skey and self._stop_read():
+                            self.poller.unregister(self.stop_stream)
+                            skey = None
                         continue
                     e = ev[1]
                     if e & select.POLLOUT:
@@ -3179,6 +3190,8 @@ class Broker:
         acc = aio.create_task(self._acceptor())
         tick = aio.create_task(self._ticker())
         extra = [aio.create_task(f()) for f in self.extras]
+        if self.stop_stream is not None:
+            extra.append(aio.create_task(self._stop_watch()))
         try:
             while self.running:
                 await wake.wait()
@@ -3211,6 +3224,28 @@ class Broker:
                 gc.collect()
                 self.engine.refuse("memory", "MemoryError in accept")
             self._wake.set()
+
+    def _stop_read(self):
+        # Anything but end of file is ignored; True once it is reached.
+        try:
+            data = self.stop_stream.read(1)
+        except OSError:
+            data = None
+        if data:
+            return False
+        self.log("info", "standard input closed: stopping")
+        self.stop()
+        return True
+
+    async def _stop_watch(self):
+        s = self.stop_stream
+        try:
+            while self.running:
+                await _io_wait(s, False)
+                if self._stop_read():
+                    break
+        finally:
+            _io_forget(s)
 
     async def _ticker(self):
         aio = _asyncio()
@@ -3334,8 +3369,18 @@ def _die(text):
 
 def main(argv):
     """Host build and emulator: `edgebroker.py --board F --port N
-    [--bind A] [--data-dir D] [--server poll|async] [--set key=value]...`.
-    Errors are one line on stderr and exit status 2."""
+    [--bind A] [--data-dir D] [--server poll|async] [--set key=value]...
+    [--stop-on-eof]`. Errors are one line on stderr and exit status 2.
+
+    SIGINT stops the broker cleanly (exit 0); on CPython SIGTERM too. The
+    MicroPython unix port raises KeyboardInterrupt straight from its signal
+    handler (MICROPY_ASYNC_KBD_INTR), at any instruction: one that lands
+    inside the allocator leaves the heap's lock taken, and the next
+    allocation waits for ever. A parent process therefore starts a
+    MicroPython broker with SIGINT blocked and --stop-on-eof, and closes its
+    standard input to stop it (the `edgebroker run` and `emulate` tools,
+    and the tests, do). Nothing acknowledged is lost either way: an
+    acknowledgement waits for the store's commit."""
     import json
 
     board = None
@@ -3344,9 +3389,14 @@ def main(argv):
     data_dir = None
     server = "poll"
     sets = []
+    stop_on_eof = False
     i = 1
     while i < len(argv):
         a = argv[i]
+        if a == "--stop-on-eof":
+            stop_on_eof = True
+            i += 1
+            continue
         v = argv[i + 1] if i + 1 < len(argv) else None
         if v is None:
             _die("%s needs a value" % a)
@@ -3402,6 +3452,8 @@ def main(argv):
         _die("cannot listen on %s:%d: %s" % (bind, port, why))
     profile = None  # the board facts in it are the tools' business
     _install_signals()
+    if stop_on_eof:
+        broker.stop_stream = getattr(sys.stdin, "buffer", sys.stdin)
     if _mem_alloc is not None:
         gc.collect()
         log("info", "heap after start: %d allocated, %d free" % (_mem_alloc(), _mem_free()))

@@ -52,8 +52,13 @@ def log(level, text):
 def parse(argv):
     opts = {"--bind": "127.0.0.1", "--server": "poll", "--app": "api", "--data-dir": None}
     i = 1
-    while i + 1 < len(argv):
-        opts[argv[i]] = argv[i + 1]
+    while i < len(argv):
+        if argv[i] == "--stop-on-eof":  # a flag: stop when stdin ends
+            opts[argv[i]] = True
+            i += 1
+            continue
+        if i + 1 < len(argv):
+            opts[argv[i]] = argv[i + 1]
         i += 2
     return opts
 
@@ -216,6 +221,8 @@ def main(argv):
             profile = json.load(f)
     port = int(o["--port"])
     broker = edgebroker.start(profile, o["--bind"], port, o["--data-dir"], log)
+    if o.get("--stop-on-eof"):
+        broker.stop_stream = getattr(sys.stdin, "buffer", sys.stdin)
     if o["--app"] == "api":
         app = Api(broker, o["--data-dir"])
     else:

@@ -296,12 +296,17 @@ class EdgeProc:
             mp = Path(sys.executable).parent / "micropython"
             interp = [str(mp), "-X", "heapsize=64m"]
         args = ["--board", str(prof), "--port", str(self.port), "--data-dir", str(self.data)]
+        if self.edge.kind == "micropython":
+            args.append(runner.STOP_ON_EOF)  # stopped by closing stdin: runner.start_broker
         return [*interp, str(lib), *args, "--server", "async"]
 
     def start(self) -> None:
         log = (self.work / "edge.log").open("ab")
-        self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
+        self.proc = runner.start_broker(
+            self.command(),
+            stop_by_eof=self.edge.kind == "micropython",
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )
         log.close()
         wait_port(self.port)
@@ -314,9 +319,10 @@ class EdgeProc:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(
-                signal.SIGINT if self.edge.kind != "mosquitto" else signal.SIGTERM
-            )
+            if self.edge.kind == "mosquitto":
+                self.proc.send_signal(signal.SIGTERM)
+            else:
+                runner.ask_stop(self.proc)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:

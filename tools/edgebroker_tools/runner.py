@@ -12,6 +12,7 @@ interface (flags, the one "listening" line, SIGINT for a clean stop).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -270,6 +271,8 @@ def broker_command(
             rest += ["--data-dir", str(data_dir)]
         for item in overrides:
             rest += ["--set", check_override(item)]
+        # stopped by closing its stdin: see start_broker
+        rest.append(STOP_ON_EOF)
         return [*argv, "-c", mpy_launcher(mpy, [mpy.stem + ".py", *rest])]
     else:
         raise RunnerError(f"unknown interpreter {interpreter!r}: expected cpython or micropython")
@@ -283,21 +286,63 @@ def broker_command(
     return argv
 
 
-# Signals the parent turns into one SIGINT for the child (the broker's clean
-# stop). SIGHUP is included so that closing the terminal does not orphan the
-# child, which runs in its own process group.
+# Signals the parent turns into one clean stop of the child. SIGHUP is
+# included so that closing the terminal does not orphan the child, which
+# runs in its own process group.
 FORWARDED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After this many forwarded signals the child is killed outright.
 _KILL_AFTER: Final = 3
+#: The broker option that makes it stop when its standard input ends.
+STOP_ON_EOF: Final = "--stop-on-eof"
 
 
-def run_foreground(argv: Sequence[str]) -> int:
+def start_broker(argv: Sequence[str], *, stop_by_eof: bool, **popen: Any) -> subprocess.Popen[Any]:
+    """Popen for a broker, in its own process group.
+
+    stop_by_eof (a MicroPython broker, started with --stop-on-eof): its
+    stdin is a pipe, closed by ask_stop(), and it starts with SIGINT
+    blocked. The unix port raises KeyboardInterrupt straight from its SIGINT
+    handler, and one that lands inside the allocator leaves the heap's lock
+    taken: the next allocation waits for ever (lib/edgebroker.py, main). The
+    mask is this thread's, inherited across fork and exec.
+    Raises RunnerError when the program cannot be started.
+    """
+    old: set[Any] | None = None
+    if stop_by_eof:
+        popen["stdin"] = subprocess.PIPE
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    else:
+        popen.setdefault("stdin", subprocess.DEVNULL)
+    try:
+        return subprocess.Popen(list(argv), process_group=0, **popen)
+    except OSError as exc:
+        raise RunnerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ask_stop(child: subprocess.Popen[Any]) -> None:
+    """The broker's clean stop: end of its stdin when start_broker gave it a
+    pipe, SIGINT otherwise."""
+    if child.poll() is not None:
+        return
+    if child.stdin is not None:
+        with contextlib.suppress(OSError):
+            child.stdin.close()
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGINT)
+
+
+def run_foreground(argv: Sequence[str], *, stop_by_eof: bool = False) -> int:
     """Run the broker with inherited stdout/stderr until it exits; return its exit code.
 
-    SIGINT, SIGTERM and SIGHUP received by this process are forwarded to the
-    child as SIGINT (a third signal sends SIGKILL). The child gets its own
-    process group, so a Ctrl-C at the terminal reaches it exactly once, via
-    us. A child killed by signal N yields 128 + N, as a shell would report.
+    SIGINT, SIGTERM and SIGHUP received by this process become one clean
+    stop of the child (ask_stop; a third signal sends SIGKILL). The child
+    gets its own process group, so a Ctrl-C at the terminal reaches it only
+    through us. A child killed by signal N yields 128 + N, as a shell would
+    report.
     """
     child: subprocess.Popen[bytes] | None = None
     received = 0
@@ -311,19 +356,16 @@ def run_foreground(argv: Sequence[str]) -> int:
             print("edgebroker: broker did not stop, killing it", file=sys.stderr, flush=True)
             child.kill()
         else:
-            child.send_signal(signal.SIGINT)
+            ask_stop(child)
 
     # Handlers go in before the child exists: a caught signal is reset to its
     # default on exec, so the child can handle SIGINT even when this process
     # was started with SIGINT ignored (e.g. `cmd &` in a non-interactive shell).
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
-        try:
-            child = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, process_group=0)
-        except OSError as exc:
-            raise RunnerError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+        child = start_broker(argv, stop_by_eof=stop_by_eof)
         if received:
-            child.send_signal(signal.SIGINT)
+            ask_stop(child)
         code = child.wait()
     finally:
         for sig, handler in previous.items():

@@ -140,14 +140,17 @@ class BrokerProcess:
             return ""
 
     def stop(self, timeout: float = 5.0) -> int | None:
-        """SIGINT (the clean stop), then SIGTERM, then SIGKILL; returns the exit code."""
+        """The clean stop (runner.ask_stop), then SIGTERM, then SIGKILL; returns
+        the exit code."""
         if self.proc.poll() is not None:
             return self.proc.returncode
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                break
+        runner.ask_stop(self.proc)
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                try:
+                    self.proc.send_signal(sig)
+                except ProcessLookupError:
+                    break
             try:
                 return self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -260,16 +263,15 @@ def start_broker(
     stdout = (workdir / "stdout.txt").open("wb")
     stderr = (workdir / "stderr.txt").open("wb")
     try:
-        proc = subprocess.Popen(
+        proc = runner.start_broker(
             argv,
+            stop_by_eof=interpreter_of(kind) == "micropython",
             cwd=str(tools.root),
-            stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,
-            process_group=0,
         )
-    except OSError as exc:
-        raise BenchError(f"cannot start {argv[0]}: {exc}") from None
+    except runner.RunnerError as exc:
+        raise BenchError(str(exc)) from None
     finally:
         stdout.close()
         stderr.close()

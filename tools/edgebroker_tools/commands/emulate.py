@@ -29,7 +29,8 @@ What it runs:
     clients, retained, messages, refusals). It is a real client: it takes one
     of max_clients (--no-monitor leaves them all to others).
 
-Ctrl-C, SIGTERM and SIGHUP stop the broker cleanly (forwarded as SIGINT);
+Ctrl-C, SIGTERM and SIGHUP stop the broker cleanly (forwarded as SIGINT
+to CPython, as the end of its stdin to MicroPython: runner.start_broker);
 the exit code is the broker's. `--interpreter cpython` runs the same
 launcher under CPython: no heap limit and no heap figures.
 """
@@ -103,6 +104,8 @@ else:
     except (ValueError, OSError) as _e:
         print("edgebroker: error: cannot start the broker: %r" % (_e,), file=sys.stderr)
         sys.exit(2)
+    if "--stop-on-eof" in @ARGV@:
+        _b.stop_stream = getattr(sys.stdin, "buffer", sys.stdin)
     print("edgebroker listening on %s:%d (%s, async server, with app.py)"
           % (@BIND@, @PORT@, sys.implementation.name))
 
@@ -269,6 +272,8 @@ def launcher_argv(
         # not hide behind a flaky result.
         "async" if app is not None else "poll",
     ]
+    if interpreter == "micropython":
+        main_argv.append(runner.STOP_ON_EOF)  # stopped by closing stdin: runner.start_broker
     if app is not None:
         sources.append(runner.repo_root() / "firmware" / "userapp.py")
     romfs: str | None = None
@@ -544,23 +549,22 @@ def run(
         if received >= 3:
             child.kill()
         else:
-            child.send_signal(signal.SIGINT)
+            runner.ask_stop(child)
 
     previous = {sig: signal.signal(sig, forward) for sig in runner.FORWARDED_SIGNALS}
     try:
         try:
-            child = subprocess.Popen(
+            child = runner.start_broker(
                 argv,
-                stdin=subprocess.DEVNULL,
+                stop_by_eof=interpreter == "micropython",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                process_group=0,
             )
-        except OSError as exc:
-            raise CommandError(f"cannot start {argv[0]}: {exc.strerror or exc}") from None
+        except runner.RunnerError as exc:
+            raise CommandError(str(exc)) from None
         if received:
-            child.send_signal(signal.SIGINT)
+            runner.ask_stop(child)
 
         def echo() -> None:
             assert child is not None and child.stdout is not None

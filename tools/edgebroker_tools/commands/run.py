@@ -138,4 +138,4 @@ def handle(args: argparse.Namespace) -> int:
         lib=lib,
         server=cast(str, args.server),
     )
-    return runner.run_foreground(argv)
+    return runner.run_foreground(argv, stop_by_eof=interpreter == "micropython")
