@@ -41,3 +41,27 @@ def test_portable_units_under_micropython(module):
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0 and " 0 failed" in r.stdout, r.stdout + r.stderr
+
+
+def _slots(path):
+    import re
+    text = (REPO / "lib" / path).read_text()
+    return dict((m.group(1), int(m.group(2)))
+                for m in re.finditer(r"^(_M_[A-Z]+) = const\((\d+)\)", text, re.M))
+
+
+def test_store_reads_messages_by_the_brokers_slot_names():
+    """edgestore takes and returns messages as edgebroker's tuples: both
+    files name every slot the same (_M_TOPIC .. _M_OWNEXP) with the same
+    number, and edgestore reads no message slot by a bare number. (The
+    names are consts, which MicroPython folds away: so the pin reads the
+    sources.)"""
+    import re
+    broker, store = _slots("edgebroker.py"), _slots("edgestore.py")
+    assert broker and store == broker
+    import edgebroker
+    import edgestore
+    assert all(getattr(edgestore, k) == getattr(edgebroker, k) == v for k, v in broker.items())
+    text = (REPO / "lib" / "edgestore.py").read_text()
+    bare = re.findall(r"\b(?:m|msg|msgs\[s >> 8\]\[(?:k|s & 255)\])\[[0-9]\]", text)
+    assert bare == []

@@ -316,6 +316,16 @@ EV_BAD = const(-1)  # replay() events beyond the record types
 EV_TORN = const(-2)
 INDEX_CHUNK = const(256)  # index slots per chunk (the host tools' heap model)
 
+# A message, as the broker hands it over and takes it back: a tuple whose
+# slots are edgebroker's _M_* (the same names and numbers; a test pins them).
+_M_TOPIC = const(0)  # str
+_M_TB = const(1)  # the topic's UTF-8 bytes
+_M_PAYLOAD = const(2)
+_M_QOS = const(3)
+_M_PROPS = const(4)  # encoded properties forwarded with it
+_M_EXP = const(5)  # expiry, broker seconds (0: none)
+_M_OWNEXP = const(6)  # 1: the publisher set Message Expiry Interval
+
 _HDR = const(8)
 _OK = const(0)  # scan() statuses
 _BAD = const(1)
@@ -851,7 +861,7 @@ class FlashStore:
             k = s & 255
             if c[k] == th:
                 if msgs is not None:
-                    if msgs[s >> 8][k][1] == tb:
+                    if msgs[s >> 8][k][_M_TB] == tb:
                         return s
                 else:
                     off = c[_CH + k] & _OFFM
@@ -866,7 +876,7 @@ class FlashStore:
         # record bytes of the live slot s
         if self._msgs is not None:
             m = self._msgs[s >> 8][s & 255]
-            return PUT_OVERHEAD + len(m[1]) + len(m[2]) + len(m[4])
+            return PUT_OVERHEAD + len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
         h = self._pread(self._ix[s >> 8][_CH + (s & 255)] & _OFFM, 5)
         return unpack_from(">I", h, 1)[0] + 9
 
@@ -1101,19 +1111,20 @@ class FlashStore:
             self._tmark = st
 
     def _parts(self, msg, st):
-        dl = msg[5]
+        dl = msg[_M_EXP]
         flags = 0
         rem = 0
         if dl:
-            flags = F_EXP | (F_OWN if msg[6] else 0)
+            flags = F_EXP | (F_OWN if msg[_M_OWNEXP] else 0)
             rem = int(dl - (self._c0 + st - self._t0))  # floored: never late
             if rem < 0:
                 rem = 0
             elif rem > _U32:
                 rem = _U32
-        elif msg[6]:
+        elif msg[_M_OWNEXP]:
             flags = F_OWN
-        return put_parts(msg[1], msg[3], flags, rem, st, self._wall(), msg[4], msg[2]), flags
+        tb, qos, props, payload = msg[_M_TB], msg[_M_QOS], msg[_M_PROPS], msg[_M_PAYLOAD]
+        return put_parts(tb, qos, flags, rem, st, self._wall(), props, payload), flags
 
     # ------------------------------------------------------------ interface
     def get(self, topic):
@@ -1130,7 +1141,7 @@ class FlashStore:
             raise OSError(9)  # EBADF: closed
         if self._fail is not None:
             return  # refused: commit() raises the write error (FAILURES)
-        tb = msg[1]
+        tb = msg[_M_TB]
         th = self._th(tb)
         s = self._find(tb, th)
         old = -1
@@ -1142,7 +1153,7 @@ class FlashStore:
         off = self._emit(T_PUT, parts)
         if off < 0:
             return
-        size = PUT_OVERHEAD + len(tb) + len(msg[4]) + len(msg[2])
+        size = PUT_OVERHEAD + len(tb) + len(msg[_M_PROPS]) + len(msg[_M_PAYLOAD])
         if s >= 0:
             self._note(s, False)
             c = self._ix[s >> 8]
@@ -1201,7 +1212,7 @@ class FlashStore:
             k = s & 255
             if c[_CH + k] and (fh < 0 or c[k] >> 20 == fh):
                 m = self._load(s)
-                if m is not None and _matches(flevels, m[0]):
+                if m is not None and _matches(flevels, m[_M_TOPIC]):
                     yield m
             s += 1
 
@@ -1231,7 +1242,7 @@ class FlashStore:
             topic = str(tb, "utf-8")
         except UnicodeError:
             return None
-        return (
+        return (  # a message: slots _M_TOPIC .. _M_OWNEXP
             topic,
             tb,
             payload,
@@ -1261,8 +1272,8 @@ class FlashStore:
             if o & _OEXP:
                 if msgs is not None:
                     m = msgs[s >> 8][s & 255]
-                    gone = m[5] <= now
-                    size = PUT_OVERHEAD + len(m[1]) + len(m[2]) + len(m[4])
+                    gone = m[_M_EXP] <= now
+                    size = PUT_OVERHEAD + len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
                 else:
                     size, flags, rem, st, wall = self._head(o & _OFFM)
                     gone = self._deadline(st, rem, wall) <= now
@@ -1271,7 +1282,7 @@ class FlashStore:
                     # a DEL makes the expiry durable: without a set clock a
                     # reopen could not tell that the lifetime had passed (E4)
                     if m is not None:
-                        self._emit(T_DEL, (m[1],))
+                        self._emit(T_DEL, (m[_M_TB],))
                     self._note(s, False)
                     self._forget(s, size)
                     removed += 1
@@ -1386,7 +1397,7 @@ class FlashStore:
                 if r is None and msgs is not None:
                     # flash rot under a RAM copy: write the copy again
                     r = (encode(T_PUT, self._parts(msgs[s >> 8][k], self._stime())[0]), b"")
-                    o = (o & _OFFM) | (_OEXP if msgs[s >> 8][k][5] else 0)
+                    o = (o & _OFFM) | (_OEXP if msgs[s >> 8][k][_M_EXP] else 0)
                     c[_CH + k] = o
                 if r is None:
                     self._log("error", "retained record of slot %d unreadable: dropped" % s)
@@ -1394,7 +1405,7 @@ class FlashStore:
                     continue
                 if o & _OEXP:
                     if msgs is not None:
-                        dl = msgs[s >> 8][k][5]
+                        dl = msgs[s >> 8][k][_M_EXP]
                     else:
                         rest = r[1]
                         tl = rest[0] << 8 | rest[1]
@@ -1733,7 +1744,7 @@ class FlashStore:
                 self._ix[s >> 8][_CH + (s & 255)] = off | (_OEXP if flags & F_EXP else 0)
                 if msgs is not None:
                     # the deadline waits for the end of the scan (T is not known yet)
-                    msgs[s >> 8][s & 255] = (
+                    msgs[s >> 8][s & 255] = (  # slots _M_TOPIC .. _M_OWNEXP
                         topic,
                         tb,
                         payload,
@@ -1783,8 +1794,8 @@ class FlashStore:
                     continue
                 if msgs is not None:
                     m = msgs[s >> 8][s & 255]
-                    stime, rem, wall = m[5]
-                    size_r = PUT_OVERHEAD + len(m[1]) + len(m[2]) + len(m[4])
+                    stime, rem, wall = m[_M_EXP]  # during open: the record's clock
+                    size_r = PUT_OVERHEAD + len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
                 else:
                     size_r, _, rem, stime, wall = self._head(o & _OFFM)
                 left = self._left(stime, rem, wall)
@@ -1793,7 +1804,18 @@ class FlashStore:
                     expired += 1
                 elif msgs is not None:
                     d = self._c0 + left
-                    msgs[s >> 8][s & 255] = (m[0], m[1], m[2], m[3], m[4], d if d else -1, m[6])
+                    # the same message with its expiry in broker seconds (slot order: _M_*)
+                    exp = d if d else -1
+                    own = m[_M_OWNEXP]
+                    msgs[s >> 8][s & 255] = (
+                        m[_M_TOPIC],
+                        m[_M_TB],
+                        m[_M_PAYLOAD],
+                        m[_M_QOS],
+                        m[_M_PROPS],
+                        exp,
+                        own,
+                    )
         st["expired"] = expired
         st["live"] = self.count
         st["dead_bytes"] = end - _HDR - self._live
