@@ -90,6 +90,12 @@ def heap_topic(kind: BrokerName) -> str | None:
     return None
 
 
+#: edgebroker collects its heap figures at most once per max(5 s,
+#: sys_interval) (a $SYS subscribe storm must not cost a collection each):
+#: a sample waits this many uptime ticks more, so that it is fresh.
+EDGE_HEAP_TICKS = 6
+
+
 def run_memory(broker: BrokerProcess, sizes: Sizes, report: Report) -> dict[str, float | None]:
     """Heap/RSS right after start, per idle connection and per retained message."""
     topic = heap_topic(broker.kind)
@@ -116,9 +122,11 @@ def run_memory(broker: BrokerProcess, sizes: Sizes, report: Report) -> dict[str,
         if not has_tick:
             report.problem(f"memory/{broker.label}: no {tick} updates; sleeping instead")
 
+        ticks = 2 + (EDGE_HEAP_TICKS if interpreter_of(broker.kind) is not None else 0)
+
         def settle() -> MemPoint:
             if has_tick:
-                ok = mon.wait_updates(tick, 2, 2.0 * SYS_INTERVAL + 3.0)
+                ok = mon.wait_updates(tick, ticks, ticks * SYS_INTERVAL + 3.0)
                 mon.poll(0.3)
                 if not ok:
                     report.problem(f"memory/{broker.label}: {tick} not republished in time")
