@@ -96,7 +96,6 @@ _HDR = const(8)
 _MHEAD = const(20)  # message body bytes before topic, props, payload
 _U32 = const(0xFFFFFFFF)
 _RA = const(8192)  # read-ahead of the drain (bytes of heap while it runs)
-_EINPROGRESS = (115, 36, 119)  # Linux, BSD/macOS, lwIP
 
 
 def record(rt, body):
@@ -1026,11 +1025,7 @@ class Bridge:
         s = socket.socket(ai[0], socket.SOCK_STREAM)
         self.sock = s
         s.setblocking(False)
-        try:
-            s.connect(ai[-1])
-        except OSError as e:
-            if e.args[0] not in _EINPROGRESS:
-                raise
+        _start_connect(s, ai[-1])
         await aio.wait_for(_writable(s), c["connect_timeout"])
         err = _so_error(s)
         if err:
@@ -1517,6 +1512,17 @@ def _blocked(e):
 # MicroPython's socket module has no SO_ERROR: there the first send reports
 # a refused connect instead
 _SO_ERROR = getattr(socket, "SO_ERROR", None)
+
+
+def _start_connect(s, addr):
+    # A non-blocking connect is under way (EINPROGRESS, by name: 115 on
+    # Linux, 119 on the ESP32) or, on lwIP ports, may complete at once and
+    # return; anything else is the link's error.
+    try:
+        s.connect(addr)
+    except OSError as e:
+        if not e.args or e.args[0] not in eb._EINPROGRESS:
+            raise
 
 
 def _so_error(s):

@@ -20,6 +20,7 @@
 # unless marked 3.1.1. Bytecode drops the comments, so they are free on a board.
 
 # ---------------------------------------------------------------- 1. compat
+import errno
 import gc
 import os
 import select
@@ -163,9 +164,20 @@ except ImportError:  # MicroPython: SIGINT raises KeyboardInterrupt already
 _IPPROTO_TCP = getattr(socket, "IPPROTO_TCP", 6)
 _TCP_NODELAY = getattr(socket, "TCP_NODELAY", 1)
 
-_EAGAIN = (11, 35)  # EAGAIN on Linux / macOS-style EWOULDBLOCK
-_EMFILE = (23, 24)  # ENFILE, EMFILE: no socket can be accepted right now
-_EADDRINUSE = (98, 48, 112)  # Linux, BSD, lwIP/newlib
+
+# errno values by name: they differ between ports (EINPROGRESS is 115 on
+# Linux, 119 on the ESP32's newlib, 36 on BSD). MicroPython's errno module
+# names only some; a name it lacks falls back to the numbers Linux and lwIP
+# use for it (the unix port, and lwIP boards whose errno module lacks it).
+def _errnos(names, fallback):
+    got = tuple(getattr(errno, n) for n in names if hasattr(errno, n))
+    return got if got else fallback
+
+
+_EAGAIN = _errnos(("EAGAIN", "EWOULDBLOCK"), (11,))
+_EMFILE = _errnos(("EMFILE", "ENFILE"), (24, 23))  # no socket can be accepted now
+_EADDRINUSE = _errnos(("EADDRINUSE",), (98, 112))
+_EINPROGRESS = _errnos(("EINPROGRESS",), (115, 119))
 
 
 def _peer(a):
