@@ -218,7 +218,7 @@ def _asyncio():
     core = getattr(asyncio, "core", None)
     if core is not None and hasattr(core, "_io_queue"):  # MicroPython
 
-        def _wait(sock, write):
+        def _queue(sock, write):
             q = core._io_queue  # looked up each time: new_event_loop() replaces it
             try:
                 (q.queue_write if write else q.queue_read)(sock)
@@ -233,6 +233,11 @@ def _asyncio():
                     del q.map[id(sock)]
                 q.poller = _repoll(q.map.values())
                 raise
+
+        def _wait(sock, write):
+            # What a waiting task holds while it waits, one per connection:
+            # kept to two locals (its frame is part of the idle cost)
+            _queue(sock, write)
             yield
 
         def _forget(sock):
