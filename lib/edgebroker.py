@@ -445,6 +445,7 @@ DEFAULTS = {
     "max_inflight": 16,
     "max_queued": 64,
     "max_queued_bytes": 1048576,
+    "slow_consumer_timeout": 30,
     "max_user_properties": 64,
     "max_outbuf": 16384,
     "max_sessions": 32,
@@ -485,6 +486,7 @@ _RANGES = {
     "max_queued": (1, 1000000),
     "max_outbuf": (256, 268435456),
     "max_queued_bytes": (1024, 1073741824),
+    "slow_consumer_timeout": (1, 86400),
     "max_user_properties": (0, 65535),
     "max_sessions": (0, 1000000),
     "topic_alias_maximum": (0, 65535),
@@ -1284,6 +1286,8 @@ class Session:
     pid = 0  # last packet identifier used
     expiry = 0  # Session Expiry Interval, seconds
     gone = 0  # broker seconds when the last connection closed
+    hw = False  # connected, its queue at high water: publishers wait (flow control)
+    hw_since = 0  # broker seconds when it got there (slow_consumer_timeout)
 
     def __init__(self, cid):
         self.cid = cid
@@ -1310,6 +1314,8 @@ class Conn:
     aliases = None  # inbound Topic Alias -> topic name
     problem = True  # Request Problem Information
     defer = None  # acks waiting for a durable store commit
+    held = None  # bytearray: unparsed input held back by flow control
+    paused = False  # server state: reading paused while held
     closed = False
     cid = ""
 
@@ -1377,6 +1383,15 @@ class Engine:
         self.max_outbuf = c["max_outbuf"]
         self.max_inflight = c["max_inflight"]
         self.max_queued = c["max_queued"]
+        # Flow control (docs/design.md): a connected subscriber whose queue
+        # reaches high water makes every other publisher's PUBLISH wait,
+        # unparsed, until all such queues are back to low water, so that
+        # PUBACKs slow down instead of acknowledged messages being dropped.
+        self.hw = max(1, self.max_queued // 2)
+        self.lw = self.hw // 2
+        self.congested = 0  # sessions at high water
+        self.held = []  # connections whose input waits (Conn.held)
+        self.unheld = []  # the server resumes reading these
         self.max_user = c["max_user_properties"]
         # Connections that have not sent CONNECT yet hold a socket and a
         # buffer but no client slot: bounded to half of max_clients (at
@@ -1470,6 +1485,9 @@ class Engine:
         whose header is known is collected in one buffer that grows by what
         arrives: never copied again per read, so a large packet costs linear
         time however it is split."""
+        if conn.held is not None:
+            conn.held += data[:n]  # behind what waits (a server keeps reading a held one)
+            return
         pend = conn.pend
         if pend is not None:
             need = conn.need
@@ -1483,6 +1501,10 @@ class Engine:
                 if need:
                     return
                 conn.pend = None
+                if self.congested and pend[0] >> 4 == 3 and self.holds(conn):
+                    pend += data[take:n]
+                    self.hold(conn, pend)
+                    return
                 j = 1
                 while pend[j] & 0x80:
                     j += 1
@@ -1531,8 +1553,46 @@ class Engine:
                 pend[0 : n - i] = data[i:n]
                 conn.need = size - (n - i)
                 return
+            if self.congested and data[i] >> 4 == 3 and self.holds(conn):
+                self.hold(conn, bytearray(data[i:n]))
+                return
             self.handle(conn, data[i], data, j, j + rl)
             i = j + rl
+
+    def holds(self, conn):
+        # A PUBLISH from this connection waits while a connected subscriber
+        # is at high water, unless it comes from one of those subscribers
+        # (its PUBACKs may follow in the same bytes) or before CONNECT.
+        sess = conn.sess
+        return sess is not None and not sess.hw
+
+    def hold(self, conn, rest):
+        conn.held = rest
+        self.held.append(conn)
+
+    def mark(self, sess):
+        if not sess.hw:
+            sess.hw = True
+            sess.hw_since = self.now_s
+            self.congested += 1
+
+    def unmark(self, sess):
+        if sess.hw:
+            sess.hw = False
+            self.congested -= 1
+
+    def resume_held(self):
+        # oldest first; one that is held again goes to the back
+        held = self.held
+        while held and not self.congested:
+            conn = held.pop(0)
+            data = conn.held
+            conn.held = None
+            if conn.closed or data is None:
+                continue
+            self.receive(conn, memoryview(data), len(data), self.now_s)
+            if conn.held is None:
+                self.unheld.append(conn)
 
     def handle(self, conn, first, b, i, end):
         ptype = first >> 4
@@ -1878,6 +1938,7 @@ class Engine:
         for f in sess.subs:
             self.tree.remove(f, sess)
         sess.subs = ()
+        self.unmark(sess)
         sess.queue = ()
         sess.qbytes = 0
         sess.inflight = ()
@@ -2147,6 +2208,8 @@ class Engine:
             return
         if sess.queue or len(sess.inflight) >= conn.window or conn.out_len() > self.max_outbuf:
             self.enqueue(sess, [msg, qos, retain, sids])
+            if len(sess.queue) >= self.hw:
+                self.mark(sess)
             return
         self.send_inflight(sess, conn, msg, qos, retain, sids)
 
@@ -2250,6 +2313,8 @@ class Engine:
             msg, qos, retain, sids = q.pop(0)
             sess.qbytes -= msg_size(msg)
             self.send_inflight(sess, conn, msg, qos, retain, sids)
+        if sess.hw and len(q) <= self.lw:
+            self.unmark(sess)
         rq = sess.rq
         while rq and conn.out_len() <= limit and not q:
             ent = rq[0]
@@ -2490,6 +2555,7 @@ class Engine:
             return
         self.connected -= 1
         sess.conn = None
+        self.unmark(sess)  # offline: the queue's drop-oldest bound applies
         # a persistent session keeps its pending retained deliveries: they
         # go on when it reconnects (D1, D9); end_session() drops them
         sess.gone = self.now_s
@@ -2598,6 +2664,8 @@ class Engine:
                 self.pump(sess)
         if self.localq:
             self.run_local()
+        if self.held and not self.congested:
+            self.resume_held()
         if self.sdirty or self.deferred:
             self.commit()
 
@@ -2766,10 +2834,13 @@ class Engine:
                 if now - conn.last > ct:
                     self.refuse("connect_timeout", "no CONNECT from %s in %d s", conn.peer, ct)
                     self.close(conn, False)
-            elif conn.ka and now - conn.last > conn.ka * 1.5:
+            elif conn.ka and conn.held is None and now - conn.last > conn.ka * 1.5:
+                # (a held connection's packets wait unread: not its silence)
                 # MQTT-3.1.2-22: 1.5 times the Keep Alive without a packet
                 self.log("info", "client %s keep alive timeout", conn.cid)
                 self.disconnect(conn, _RC_KEEPALIVE, "keep alive timeout")
+        if self.congested:
+            self.slow_consumers(now)
         if self.wills:
             for w in list(self.wills):
                 if w[_W_AT] <= now:
@@ -2788,6 +2859,17 @@ class Engine:
         if si and now - self._last_sys >= si:
             self._last_sys = now
             self.publish_sys()
+
+    def slow_consumers(self, now):
+        # Flow control must not let one subscriber that stopped reading stall
+        # every publisher: at high water for slow_consumer_timeout seconds,
+        # it is disconnected (5.0: 0x97 Quota exceeded) and its session's
+        # offline queue rules apply from then on.
+        t = self.cfg["slow_consumer_timeout"]
+        for sess in list(self.sessions.values()):
+            if sess.hw and sess.conn is not None and now - sess.hw_since >= t:
+                self.refuse("slow_consumer", "client %s", sess.cid)
+                self.disconnect(sess.conn, _RC_QUOTA, "slow consumer")
 
     # ---------------------------------------------------------------- stats
     def publish_sys(self):
@@ -2878,6 +2960,7 @@ class Broker:
         self.port = 0
         self._async = False
         self._wake = None  # async server: set when the engine has work
+        self._flow = None  # async server: set when held connections resume
         # Coroutine functions serve_async() runs as tasks beside the server
         # and cancels when it stops (a bridge's upstream link is one).
         self.extras = []
@@ -3046,6 +3129,8 @@ class Broker:
         """After the engine worked: flush the connections with bytes to
         send, release the ones it ended."""
         eng = self.engine
+        if eng.unheld:
+            self._resume()
         if eng.dirty:
             dirty = eng.dirty
             eng.dirty = []
@@ -3116,7 +3201,27 @@ class Broker:
                 conn.wait = _asyncio().create_task(self._writer(conn))
         elif want != bool(conn.wait):
             conn.wait = want
-            self.poller.modify(conn.io, select.POLLIN | select.POLLOUT if want else select.POLLIN)
+            self.poller.modify(conn.io, self._mask(conn))
+
+    def _mask(self, conn):
+        # poll server: POLLIN unless flow control holds its input
+        return (0 if conn.paused else select.POLLIN) | (select.POLLOUT if conn.wait else 0)
+
+    def _resume(self):
+        # connections whose held input the engine took back: read again
+        eng = self.engine
+        unheld = eng.unheld
+        eng.unheld = []
+        if self._async:
+            f = self._flow
+            if f is not None:
+                f.set()  # held readers wake and look again
+                f.clear()
+            return
+        for conn in unheld:
+            if conn.paused and not conn.closed and conn.io is not None:
+                conn.paused = False
+                self.poller.modify(conn.io, self._mask(conn))
 
     def _forget(self, conn):
         """Releases an ended connection's socket. Poll: unregistered before
@@ -3132,6 +3237,9 @@ class Broker:
             _io_stop([t for t in (conn.wait, conn.task) if t is not cur], s)
             conn.wait = None
             _io_forget(s)
+            if conn.paused and self._flow is not None:
+                self._flow.set()  # its reader waits for flow control: let it end
+                self._flow.clear()
         elif self.socks.pop(_key(s), None) is not None:
             try:
                 self.poller.unregister(s)
@@ -3182,6 +3290,9 @@ class Broker:
                         self._flush(conn)
                     if e & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
                         self._read(conn)
+                        if conn.held is not None and not conn.paused and not conn.closed:
+                            conn.paused = True  # flow control: no POLLIN until resumed
+                            self.poller.modify(conn.io, self._mask(conn))
                 self._turn()
                 now = self.clock()
                 if paused and now >= self._pause:
@@ -3203,6 +3314,7 @@ class Broker:
         aio = _asyncio()
         self._async = True
         self._wake = wake = aio.Event()
+        self._flow = aio.Event()
         eng = self.engine
         acc = aio.create_task(self._acceptor())
         tick = aio.create_task(self._ticker())
@@ -3274,6 +3386,12 @@ class Broker:
         s = conn.io
         try:
             while not conn.closed:
+                if conn.held is not None:
+                    # flow control: this connection's input waits unread
+                    conn.paused = True
+                    await self._flow.wait()
+                    conn.paused = False
+                    continue
                 await _io_wait(s, False)
                 if conn.closed:
                     break

@@ -1,0 +1,138 @@
+"""Flow control instead of drop (issue 11, item 1): a connected subscriber
+that keeps reading loses no acknowledged QoS 1 message, however fast the
+publishers are, because the broker stops reading their PUBLISH packets (so
+their PUBACKs wait) while its queue is at high water; a subscriber that stops
+reading is disconnected after slow_consumer_timeout (5.0: 0x97) and the
+others go on. Real paho clients, both interpreters, both servers."""
+
+import socket
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.properties import Properties
+from paho.mqtt.packettypes import PacketTypes
+
+from mqtt_helpers import (
+    connect_packet,
+    parse_disconnect,
+    requires_edgebroker,
+    subscribe_packet,
+)
+
+PUBLISHERS = 4
+PER_PUBLISHER = 250
+
+
+def _client(port, cid, receive_maximum=None, on_message=None):
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
+    c.max_inflight_messages_set(20)
+    c.max_queued_messages_set(0)
+    props = None
+    if receive_maximum is not None:
+        props = Properties(PacketTypes.CONNECT)
+        props.ReceiveMaximum = receive_maximum
+    if on_message is not None:
+        c.on_message = on_message
+    connected = threading.Event()
+    c.on_connect = lambda *a: connected.set()
+    c.connect("127.0.0.1", port, keepalive=60, properties=props)
+    c.loop_start()
+    assert connected.wait(10), "no CONNACK for " + cid
+    return c
+
+
+def _publish_all(c, name, acked):
+    infos = []
+    for i in range(PER_PUBLISHER):
+        infos.append((i, c.publish("flow/%s" % name, b"%s-%d" % (name.encode(), i), qos=1)))
+    for i, info in infos:
+        info.wait_for_publish(60)
+        if info.is_published():
+            acked.add(b"%s-%d" % (name.encode(), i))
+
+
+def test_slow_reading_subscriber_loses_no_acknowledged_message(broker_factory):
+    """4 QoS 1 publishers (window 20 each) against one subscriber with
+    Receive Maximum 10 that sleeps 2 ms per message, max_queued 50: every
+    message the publishers got a PUBACK for arrives, and nothing is counted
+    as dropped for the queue."""
+    b = broker_factory(max_queued=50)
+    requires_edgebroker(b)
+    got = []
+    done = threading.Event()
+    total = PUBLISHERS * PER_PUBLISHER
+
+    def on_message(client, userdata, msg):
+        time.sleep(0.002)
+        got.append(msg.payload)
+        if len(got) >= total:
+            done.set()
+
+    sub = _client(b.port, "flow-sub", receive_maximum=10, on_message=on_message)
+    sub.subscribe("flow/#", qos=1)
+    time.sleep(0.3)
+    pubs = [_client(b.port, "flow-pub%d" % k) for k in range(PUBLISHERS)]
+    acked = set()
+    threads = [threading.Thread(target=_publish_all, args=(p, "p%d" % k, acked))
+               for k, p in enumerate(pubs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(acked) == total, "publishers not acknowledged: %d of %d" % (len(acked), total)
+    assert done.wait(60), "received %d of %d acknowledged" % (len(set(got)), total)
+    assert acked <= set(got)
+    for c in pubs + [sub]:
+        c.disconnect()
+        c.loop_stop()
+    assert "queue_full" not in b.log_text()
+
+
+def test_subscriber_that_stops_reading_is_disconnected_and_the_rest_flow(broker_factory):
+    """A raw subscriber (Receive Maximum 2) that never reads: its queue
+    reaches high water and publishers wait; after slow_consumer_timeout (2 s)
+    it is disconnected with DISCONNECT 0x97 (Quota exceeded), and the
+    publisher's messages then reach a subscriber that reads: every
+    acknowledged one."""
+    b = broker_factory(max_queued=20, slow_consumer_timeout=2)
+    requires_edgebroker(b)
+    stuck = socket.create_connection(("127.0.0.1", b.port), timeout=10)
+    from mqtt_helpers import prop_u16
+    stuck.sendall(connect_packet("flow-stuck", version=5, props=prop_u16(0x21, 2)))
+    stuck.sendall(subscribe_packet(1, [("flow/#", 1)], version=5))
+    time.sleep(0.3)
+    got = []
+    reader = _client(b.port, "flow-reader", on_message=lambda c, u, m: got.append(m.payload))
+    reader.subscribe("flow/#", qos=1)
+    time.sleep(0.3)
+    pub = _client(b.port, "flow-pub")
+    acked = set()
+    t0 = time.monotonic()
+    _publish_all(pub, "x", acked)
+    assert len(acked) == PER_PUBLISHER
+    assert time.monotonic() - t0 >= 1.5, "publishers were never held back"
+    deadline = time.monotonic() + 20
+    while len(set(got)) < PER_PUBLISHER and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert acked <= set(got)
+    # the stuck subscriber was told why
+    stuck.settimeout(5)
+    data = b""
+    try:
+        while True:
+            chunk = stuck.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    stuck.close()
+    i = data.rfind(b"\xe0")
+    assert i >= 0, "no DISCONNECT for the slow consumer"
+    assert data[i + 2] == 0x97
+    assert "slow_consumer" in b.log_text() or "slow consumer" in b.log_text()
+    for c in (pub, reader):
+        c.disconnect()
+        c.loop_stop()
