@@ -163,6 +163,9 @@ except ImportError:  # MicroPython: SIGINT raises KeyboardInterrupt already
 # MicroPython's socket module names neither; these are Linux and lwIP values
 _IPPROTO_TCP = getattr(socket, "IPPROTO_TCP", 6)
 _TCP_NODELAY = getattr(socket, "TCP_NODELAY", 1)
+_SHUT_WR = getattr(socket, "SHUT_WR", 1)
+_DRAIN_S = const(2)  # graceful close: seconds a closing socket is drained at most
+_QUIET_S = 0.2  # ... and closed once nothing arrived for this long
 
 
 # errno values by name: they differ between ports (EINPROGRESS is 115 on
@@ -1315,6 +1318,7 @@ class Conn:
     problem = True  # Request Problem Information
     defer = None  # acks waiting for a durable store commit
     held = None  # bytearray: unparsed input held back by flow control
+    linger = False  # ended by a protocol error: drained before the close
     paused = False  # server state: reading paused while held
     closed = False
     cid = ""
@@ -2819,6 +2823,7 @@ class Engine:
         self.deferred = []
 
     def protocol_error(self, conn, err):
+        conn.linger = True  # it is likely still writing: graceful close (Broker._linger)
         self.log("info", "client %s: %s (0x%02x)", conn.cid or conn.peer, err.text, err.code)
         self.refuse("protocol", "%s", err.text)
         self.disconnect(conn, err.code, err.text)
@@ -2968,6 +2973,11 @@ class Broker:
         # bridge): a function set by firmware; None = always (the host).
         self.net_up = None
         self._pause = 0  # accept paused until this broker second
+        # Graceful close: sockets that sent their last packet and wait for
+        # the peer to close ([deadline, socket], oldest first; see _linger)
+        self.draining = []
+        self.drains = {}  # poll server: socket key -> its draining entry
+        self.max_drain = max(2, self.cfg["max_clients"] // 2)
         # A byte stream whose end of file stops the server (main's
         # --stop-on-eof): how a parent process asks a MicroPython unix-port
         # broker to stop, since that port's own SIGINT is not safe (main).
@@ -3153,16 +3163,99 @@ class Broker:
         if s is None:
             return
         conn.io = None
-        if conn.out:
-            try:
-                s.send(conn.out)
-            except OSError:
-                pass
+        out = conn.out
         conn.out = None
+        if out:
+            try:
+                n = s.send(out)
+            except OSError:
+                n = -1
+            if n == len(out) and self._linger(s, conn.linger):
+                return
         try:
             s.close()
         except OSError:
             pass
+
+    def _linger(self, s, always):
+        # Graceful close: the final CONNACK or DISCONNECT has left. Closing a
+        # socket with unread bytes sends RST, and a client that is still
+        # writing would then see a reset instead of the reason code. So when
+        # bytes are waiting, the socket stays open: what arrives is read and
+        # dropped until the peer closes, nothing arrives for _QUIET_S, or
+        # _DRAIN_S pass: always after a protocol error (the client is likely
+        # still writing), otherwise only if bytes are waiting (a silent
+        # client, e.g. past its keep alive, sees the close at once).
+        # Bounded: max_drain sockets at a time, none while shutting down.
+        if len(self.draining) >= self.max_drain:
+            return False
+        try:
+            n = _recv_into(s, self.rmv)
+        except OSError:
+            return False
+        if n == 0 or (n < 0 and not always):
+            return False  # EOF, or nothing waiting from a quiet client: close now
+        try:
+            s.shutdown(_SHUT_WR)  # CPython: FIN now (MicroPython has no shutdown)
+        except (AttributeError, OSError):
+            pass
+        now = self.clock()
+        ent = [now + _DRAIN_S, s, now + _QUIET_S]
+        self.draining.append(ent)
+        if self._async:
+            _asyncio().create_task(self._drainer(ent))
+        else:
+            self.poller.register(s, select.POLLIN)
+            self.drains[_key(s)] = ent
+        return True
+
+    def _drain_read(self, ent):
+        # poll server: read and drop; end on EOF or an error
+        try:
+            n = _recv_into(ent[1], self.rmv)
+        except OSError:
+            n = 0
+        if n == 0:
+            self._undrain(ent)
+        elif n > 0:
+            ent[2] = self.clock() + _QUIET_S
+
+    def _undrain(self, ent):
+        if ent not in self.draining:
+            return
+        self.draining.remove(ent)
+        s = ent[1]
+        if not self._async:
+            self.drains.pop(_key(s), None)
+            try:
+                self.poller.unregister(s)
+            except (OSError, ValueError, KeyError):
+                pass
+        try:
+            s.close()
+        except OSError:
+            pass
+
+    async def _drainer(self, ent):
+        aio = _asyncio()
+        s = ent[1]
+        try:
+            while ent in self.draining:
+                now = self.clock()
+                left = min(ent[0], ent[2]) - now
+                if left <= 0:
+                    break
+                await aio.wait_for(_io_wait(s, False), left)
+                n = _recv_into(s, self.rmv)
+                if n == 0:
+                    break
+                if n > 0:
+                    ent[2] = self.clock() + _QUIET_S
+        except (OSError, aio.TimeoutError):
+            pass
+        finally:
+            _io_forget(s)
+            self._undrain(ent)
 
     def _turn(self):
         try:
@@ -3281,7 +3374,10 @@ class Broker:
                         continue
                     conn = socks.get(k)
                     if conn is None or conn.closed:
-                        if skey is not None and k == skey and self._stop_read():
+                        d = self.drains.get(k)
+                        if d is not None:
+                            self._drain_read(d)
+                        elif skey is not None and k == skey and self._stop_read():
                             self.poller.unregister(self.stop_stream)
                             skey = None
                         continue
@@ -3295,6 +3391,10 @@ class Broker:
                             self.poller.modify(conn.io, self._mask(conn))
                 self._turn()
                 now = self.clock()
+                if self.draining:
+                    for ent in list(self.draining):
+                        if now >= ent[0] or now >= ent[2]:
+                            self._undrain(ent)
                 if paused and now >= self._pause:
                     self._pause = 0
                     paused = False
@@ -3429,6 +3529,9 @@ class Broker:
         if self.lsock is None:
             return
         eng = self.engine
+        self.max_drain = 0  # no graceful close now: every socket closes
+        for ent in list(self.draining):
+            self._undrain(ent)
         for conn in list(eng.conns):
             eng.close(conn, False)
         self._release_ended()
