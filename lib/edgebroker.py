@@ -1315,6 +1315,8 @@ class Conn:
     maxpkt = _NO_LIMIT_PACKET
     window = 0  # outbound inflight window
     aliases = None  # inbound Topic Alias -> topic name
+    oamax = 0  # outbound topic aliases allowed (client's maximum, capped)
+    oalias = None  # outbound: topic bytes -> alias
     problem = True  # Request Problem Information
     defer = None  # acks waiting for a durable store commit
     held = None  # bytearray: unparsed input held back by flow control
@@ -1723,6 +1725,7 @@ class Engine:
             if mp != _NO_LIMIT_PACKET:
                 conn.maxpkt = mp
             conn.window = min(rm, self.max_inflight)
+            conn.oamax = min(props.get(_P_ALIAS_MAX, 0), self.cfg["topic_alias_maximum"])
             if props.get(_P_REQ_PROBLEM, 1) != 1:
                 conn.problem = False
         else:
@@ -2261,6 +2264,7 @@ class Engine:
         tb = msg[_M_TB]
         payload = msg[_M_PAYLOAD]
         props = None
+        newalias = 0
         if exp:
             left = exp - self.now_s
             if left <= 0:
@@ -2274,6 +2278,21 @@ class Engine:
             if exp and msg[_M_OWNEXP]:
                 # MQTT-3.3.2-6: the interval left after waiting here
                 props = props + prop_u32(_P_MESSAGE_EXPIRY, int(left + 0.999))
+            if conn.oamax and len(tb) > 3:
+                # Topic aliases out (3.3.2.3.4): the first PUBLISH of a topic
+                # maps it, later ones send an empty topic and the alias. At
+                # most min(client's Topic Alias Maximum, topic_alias_maximum)
+                # per connection (MQTT-3.3.2-9, -10), first come; no
+                # eviction, so a mapping never changes under the client.
+                oa = conn.oalias
+                a = oa.get(tb) if oa is not None else None
+                if a is not None:
+                    tb = b""
+                    props = props + prop_u16(_P_ALIAS, a)
+                elif oa is None or len(oa) < conn.oamax:
+                    # mapped below, once the packet is sure to be sent
+                    newalias = (len(oa) + 1) if oa is not None else 1
+                    props = props + prop_u16(_P_ALIAS, newalias)
             plen = len(props)
             rl = 2 + len(tb) + (2 if qos else 0) + len(vbi(plen)) + plen + len(payload)
         else:
@@ -2281,6 +2300,10 @@ class Engine:
         if rl + 5 > conn.maxpkt and rl + len(vbi(rl)) + 1 > conn.maxpkt:
             self.refuse("client_max_packet", "client %s", conn.cid)
             return False
+        if newalias:
+            if conn.oalias is None:
+                conn.oalias = {}
+            conn.oalias[tb] = newalias
         o = self.outbuf(conn)
         # straight into the connection's buffer: no packet built on the side
         o.append(0x30 | (8 if dup else 0) | qos << 1 | retain)
