@@ -582,9 +582,10 @@ def test_paced_retained_delivery_reads_the_live_store_D9_S1_S3(broker_factory):
     new value, deleted topics are not delivered, and every other topic
     still is. At most one message may already have been taken from the
     store into the session queue when the change lands."""
-    # max_queued=400: room for the 300 live forwards that arrive while the
-    # window is full, still well below the 1,000 retained
-    b = broker_factory(max_queued=400)
+    # max_queued=800: its high water (400, where flow control would hold the
+    # publisher) is above the 300 live forwards that arrive while the window
+    # is full, still below the 1,000 retained
+    b = broker_factory(max_queued=800)
     requires_edgebroker(b, "mosquitto copies the matching set into the queue at subscribe")
     n, window = 1000, 5
     topics = ["lv/%04d" % i for i in range(n)]
