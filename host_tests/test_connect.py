@@ -136,7 +136,7 @@ def test_connack_properties_tell_the_truth_MQTT_3_2_2_3(broker_factory):
     assert p.get(RETAIN_AVAILABLE, 1) == 1
     assert p.get(WILDCARD_SUBSCRIPTION_AVAILABLE, 1) == 1
     assert p.get(SUBSCRIPTION_IDENTIFIER_AVAILABLE, 1) == 1
-    assert p.get(SHARED_SUBSCRIPTION_AVAILABLE) == 0, "shared subscriptions unsupported: must say 0"
+    assert p.get(SHARED_SUBSCRIPTION_AVAILABLE, 1) == 1, "shared subscriptions are supported"
     assert MAXIMUM_QOS not in p, "Maximum QoS must be absent when QoS 2 is supported"
     assert p.get(MAXIMUM_PACKET_SIZE) == 5000
     assert p.get(TOPIC_ALIAS_MAXIMUM) == 7

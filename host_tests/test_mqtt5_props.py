@@ -373,22 +373,23 @@ def test_paho_client_receive_maximum_respected(broker):
 
 def test_refusal_suback_and_connack_carry_reason_string_MQTT_3_1_2_29(broker_factory):
     """Refusals carry a Reason String (0x1F) when the client did not set
-    Request Problem Information=0: SUBACK 0x9E for a shared subscription,
+    Request Problem Information=0: SUBACK 0x8F for a shared subscription
+    whose ShareName holds a wildcard (MQTT-4.8.2-2),
     CONNACK 0x86 for a missing username (allow_anonymous false). With
     Request Problem Information=0 the SUBACK has no Reason String and no
     User Property (MQTT-3.1.2-29)."""
     b = broker_factory()
     requires_edgebroker(b)
     c = raw_connect(b.port, "rs", version=5)
-    c.send(subscribe_packet(1, [("$share/g/t", 1)]))
+    c.send(subscribe_packet(1, [("$share/g+/t", 1)]))
     _, codes, props = c.expect_suback()
-    assert codes == [0x9E]
+    assert codes == [0x8F]
     assert isinstance(props.get(REASON_STRING), str) and props[REASON_STRING]
     c.disconnect()
     q = raw_connect(b.port, "rs-quiet", version=5, props=prop_byte(REQUEST_PROBLEM_INFORMATION, 0))
-    q.send(subscribe_packet(1, [("$share/g/t", 1)]))
+    q.send(subscribe_packet(1, [("$share/g+/t", 1)]))
     _, codes, props = q.expect_suback()
-    assert codes == [0x9E]
+    assert codes == [0x8F]
     assert REASON_STRING not in props and USER_PROPERTY not in props
     q.disconnect()
     b2 = broker_factory(allow_anonymous=False, users={"u": "p"})

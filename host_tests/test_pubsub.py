@@ -566,22 +566,6 @@ def test_max_subscriptions_extra_filter_refused_0x97(broker_factory, version):
     pub.disconnect()
 
 
-def test_shared_subscription_refused_0x9E(broker):
-    """'$share/g/t' -> SUBACK 0x9E Shared Subscriptions not supported
-    (contract); the other filters of the same SUBSCRIBE are granted
-    (MQTT-3.8.4-5) and the connection stays usable."""
-    requires_edgebroker(broker, "mosquitto supports shared subscriptions")
-    c = raw_connect(broker.port, "share", version=5)
-    assert c.subscribe([("$share/g/t", 1), ("sh/t", 1)]) == [0x9E, 1]
-    pub = raw_connect(broker.port, "share-pub", version=5)
-    pub.publish("t", b"shared?", qos=1, pid=1)
-    pub.publish("sh/t", b"plain", qos=1, pid=2)
-    got = drain_publishes(c, 0.3)
-    assert [p.payload for p in got] == [b"plain"]
-    c.disconnect()
-    pub.disconnect()
-
-
 @VERSIONS
 def test_maximum_qos_1_subscription_granted_qos1_MQTT_3_2_2_10(broker_factory, request, version):
     """maximum_qos=1: a SUBSCRIBE asking QoS 2 is accepted (MQTT-3.2.2-10)

@@ -883,6 +883,44 @@ def topic_matches(flevels, topic):
     return i == n
 
 
+class Group:
+    """A shared subscription's group ($share/{ShareName}/{filter}, 4.8.2):
+    one entry in the topic tree for all its members; each message goes to
+    one of them, round robin over the connected ones first."""
+
+    def __init__(self, filt):
+        self.filt = filt  # the filter inside, as the tree has it
+        self.members = {}  # session -> (options byte, sub id)
+        self.order = []  # sessions, round-robin order
+        self.next = 0
+
+    def pick(self):
+        order = self.order
+        n = len(order)
+        if not n:
+            return None
+        start = self.next
+        for k in range(n):
+            s = order[(start + k) % n]
+            if s.conn is not None:
+                self.next = (start + k + 1) % n
+                return s
+        # nobody connected: a member's session keeps it (its offline queue)
+        self.next = (start + 1) % n
+        return order[start % n]
+
+    def add(self, sess, opts, sid):
+        if sess not in self.members:
+            self.order.append(sess)
+        self.members[sess] = (opts, sid)
+
+    def remove(self, sess):
+        if self.members.pop(sess, None) is not None:
+            self.order.remove(sess)
+            if self.next >= len(self.order):
+                self.next = 0
+
+
 class TopicTree:
     """Subscriptions by level: a node is [children dict, subscribers dict].
     A publish walks only the branches its levels select ('+', '#' and the
@@ -1358,6 +1396,7 @@ class Engine:
         self.pre = 0  # of them, connections that have not sent CONNECT yet
         self.sessions = {}
         self.tree = TopicTree()
+        self.groups = {}  # $share/{name}/{filter} -> Group (bounded by the subscriptions)
         self.dirty = []  # connections with bytes waiting to be sent
         self.ended = []  # connections the engine closed: the server releases them
         self.busy = []  # sessions with deliveries that can go on now
@@ -1859,7 +1898,7 @@ class Engine:
             p += prop_u16(_P_ALIAS_MAX, cfg["topic_alias_maximum"])
             p += prop_byte(_P_WILDCARD_AVAILABLE, 1)
             p += prop_byte(_P_SUB_ID_AVAILABLE, 1)
-            p += prop_byte(_P_SHARED_AVAILABLE, 0)
+            p += prop_byte(_P_SHARED_AVAILABLE, 1)
             if cfg["server_keep_alive"]:
                 p += prop_u16(_P_SERVER_KEEPALIVE, ka)
             self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
@@ -1943,7 +1982,7 @@ class Engine:
         """The session ends (4.1): subscriptions and queues go; a will still
         waiting for its delay is published now (3.1.2.5)."""
         for f in sess.subs:
-            self.tree.remove(f, sess)
+            self.unsub(sess, f)
         sess.subs = ()
         self.unmark(sess)
         sess.queue = ()
@@ -2085,8 +2124,14 @@ class Engine:
         topic = msg[_M_TOPIC]
         levels = topic.split("/")
         matched = None
+        shared = None
         for subs in self.tree.match(levels, topic[:1] == "$"):
             for sess in subs:
+                if type(sess) is Group:
+                    if shared is None:
+                        shared = []
+                    shared.append(sess)
+                    continue
                 opts, sid = subs[sess]
                 if opts & 4 and sess is origin:  # No Local (MQTT-3.8.3-3)
                     continue
@@ -2112,7 +2157,29 @@ class Engine:
                 # 3.1.1 MQTT-3.3.1-9 / 5.0 MQTT-3.3.1-12/13: RETAIN is kept
                 # on forwarding only with Retain As Publish
                 self.deliver(sess, msg, q, 1 if (retain and rap) else 0, sids)
+        if shared is not None:
+            # 4.8.2: each shared subscription's group gives the message to
+            # one member, with that member's options (a separate copy from
+            # its non-shared subscriptions, as mosquitto does)
+            for g in shared:
+                sess = g.pick()
+                if sess is not None:
+                    opts, sid = g.members[sess]
+                    rr = 1 if (retain and opts & 8) else 0
+                    self.deliver(sess, msg, opts & 3, rr, [sid] if sid else None)
         return wait
+
+    def unsub(self, sess, filt):
+        # a subscription leaves the tree (a shared one leaves its group)
+        if filt[:7] == "$share/":
+            g = self.groups.get(filt)
+            if g is not None:
+                g.remove(sess)
+                if not g.members:
+                    self.tree.remove(g.filt, g)
+                    del self.groups[filt]
+        else:
+            self.tree.remove(filt, sess)
 
     def retain(self, msg):
         wait = self._retain(msg)
@@ -2452,14 +2519,25 @@ class Engine:
             if opts & 3 == 3:
                 # 5.0 3.8.3.1: Maximum QoS 3 is a Protocol Error
                 raise MqttError(_RC_PROTOCOL if v5 else _RC_MALFORMED, "QoS 3 in SUBSCRIBE")
+            inner = filt
             if filt[:7] == "$share/":
-                codes.append(_RC_SHARED_UNSUPPORTED if v5 else 0x80)
-                why = "shared subscriptions not supported"
-                continue
+                # MQTT-4.8.2-1/-2: a ShareName of at least one character
+                # without "/", "+" or "#", then "/" and a Topic Filter
+                j = filt.find("/", 7)
+                name = filt[7:j] if j > 7 else ""
+                inner = filt[j + 1 :] if j > 7 else ""
+                if not name or "+" in name or "#" in name or not inner:
+                    codes.append(_RC_BAD_FILTER if v5 else 0x80)
+                    why = "invalid shared subscription"
+                    continue
+                if v5 and opts & 4:
+                    # MQTT-3.8.3-4
+                    raise MqttError(_RC_PROTOCOL, "No Local on a shared subscription")
             if (
-                not valid_filter(filt)
+                not valid_filter(inner)
                 or len(filt.encode()) > cfg["max_topic_length"]
-                or filt.count("/") >= cfg["max_topic_levels"]
+                or filt.count("/") >= cfg["max_topic_levels"] + 2
+                or inner.count("/") >= cfg["max_topic_levels"]
             ):
                 codes.append(_RC_BAD_FILTER if v5 else 0x80)
                 why = "invalid topic filter"
@@ -2478,8 +2556,15 @@ class Engine:
             opts = opts & 0xFC | granted
             # MQTT-3.8.4-3: a repeated filter replaces the subscription
             sess.subs[filt] = (opts, sid)
-            self.tree.add(filt, sess, opts, sid)
             codes.append(granted)
+            if inner is not filt:
+                g = self.groups.get(filt)
+                if g is None:
+                    g = self.groups[filt] = Group(inner)
+                    self.tree.add(inner, g, 0, 0)
+                g.add(sess, opts, sid)
+                continue  # no retained messages for a shared subscription (4.8.2)
+            self.tree.add(filt, sess, opts, sid)
             rh = opts >> 4 & 3
             if cfg["retain_available"] and (rh == 0 or (rh == 1 and not existed)):
                 todo.append((filt, opts, sid))
@@ -2535,7 +2620,7 @@ class Engine:
             filt, i = read_str(b, i, end)
             if filt in sess.subs:
                 del sess.subs[filt]
-                self.tree.remove(filt, sess)
+                self.unsub(sess, filt)
                 # MQTT-3.10.4-2: no new messages for it, retained included
                 self.drop_rq(sess, filt)
                 codes.append(_RC_SUCCESS)

@@ -325,7 +325,7 @@ def test_connect_5_accepted_connack_properties_3_2_2_3():
     assert props[0x21] == 7                  # Receive Maximum = max_inflight (3.2.2.3.3)
     assert props[0x27] == 2000               # Maximum Packet Size (3.2.2.3.6)
     assert props[0x22] == 5                  # Topic Alias Maximum (3.2.2.3.8)
-    assert props[0x2A] == 0                  # Shared Subscription Available: no (3.2.2.3.13)
+    assert props[0x2A] == 1                  # Shared Subscription Available (3.2.2.3.13)
     assert props.get(0x25, 1) == 1           # Retain Available
     assert 0x24 not in props                 # Maximum QoS absent means 2 (3.2.2.3.4)
     assert 0x12 not in props                 # the client gave its id
@@ -1067,17 +1067,28 @@ def test_subscribe_bad_filters_0x8F_and_311_0x80_in_order_MQTT_3_9_3_1():
     assert q.out() == h("90 06 0009 01 80 80 02")           # 3.1.1 MQTT-3.8.4-5 / 3.9.3
 
 
-def test_subscribe_shared_refused_0x9E_and_311_0x80():
+def test_subscribe_shared_one_member_per_message_4_8_2_and_311():
     eng = mk()
     p = Peer(eng, "s")
     p.send(subscribe(1, [("$share/g/a", 1)]))
-    f, b = p.packets()[0]
-    assert f == 0x90 and b[:2] == u16(1) and b[-1:] == b"\x9e"
+    assert p.out() == h("90 04 0001 00 01")
     q = Peer(eng, "s4", v=4)
     q.send(subscribe(1, [("$share/g/a", 1)], v=4))
-    assert q.out() == h("90 03 0001 80")
-    Peer(eng, "p").send(publish("a", b"x"))
-    assert p.out() == b"" and q.out() == b""
+    assert q.out() == h("90 03 0001 01")
+    pub = Peer(eng, "p")
+    pub.send(publish("a", b"x"))
+    pub.send(publish("a", b"y"))
+    first, second = p.out(), q.out()
+    assert (b"x" in first and b"y" in second) or (b"y" in first and b"x" in second)
+    assert b"x" not in first or b"y" not in first
+
+
+def test_subscribe_shared_bad_share_name_0x8F_MQTT_4_8_2_2():
+    eng = mk()
+    p = Peer(eng, "s")
+    p.send(subscribe(1, [("$share/g#/a", 1), ("$share//a", 1)]))
+    f, b = p.packets()[0]
+    assert f == 0x90 and b[:2] == u16(1) and b[-2:] == b"\x8f\x8f"
 
 
 def test_subscribe_reason_string_only_when_problem_information_asked_MQTT_3_1_2_29():
