@@ -1064,3 +1064,49 @@ def run_async(coro, timeout=20.0):
         return await asyncio.wait_for(coro, timeout)
 
     return asyncio.run(wrapper())
+
+
+def make_certs(d):
+    """A CA, a server certificate for localhost and a client certificate
+    (EC P-256, two days), made with `cryptography` (installed with esptool,
+    a pinned requirement) as PEM files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    d.mkdir(exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write_key(key, fname):
+        (d / fname).write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("edgebroker test CA"))
+          .issuer_name(name("edgebroker test CA")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    write_key(ca_key, "ca.key")
+    for who, cn in (("server", "localhost"), ("client", "gateway")):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(hours=1))
+                .not_valid_after(now + datetime.timedelta(days=2))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]),
+                               critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        (d / (who + ".pem")).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_key(key, who + ".key")
+    return d

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from mqtt_helpers import make_certs
 from mqtt_helpers import free_port, wait_for
 
 MOSQUITTO = "/usr/sbin/mosquitto"
@@ -703,52 +704,6 @@ def test_queue_file_is_compacted_after_a_drain(broker_factory, upstream, collect
     # the acknowledged prefix is dropped: the file shrinks to a few records
     assert wait_for(lambda: qf.stat().st_size < 8192, 10), qf.stat().st_size
     assert qf.read_bytes()[:5] == b"EBRQ\x01"
-
-
-def make_certs(d):
-    """A CA, a server certificate for localhost and a client certificate
-    (EC P-256, two days), made with `cryptography` (installed with esptool,
-    a pinned requirement) as PEM files."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    d.mkdir(exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def write_key(key, fname):
-        (d / fname).write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("edgebroker test CA"))
-          .issuer_name(name("edgebroker test CA")).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    write_key(ca_key, "ca.key")
-    for who, cn in (("server", "localhost"), ("client", "gateway")):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1))
-                .not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]),
-                               critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        (d / (who + ".pem")).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        write_key(key, who + ".key")
-    return d
 
 
 @ASYNC

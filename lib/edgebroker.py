@@ -80,9 +80,36 @@ if hasattr(select.poll(), "ipoll"):
         return sock
 
     def _recv_into(sock, mv):
-        # readinto returns None when no data is waiting on a non-blocking socket
-        n = sock.readinto(mv)
+        # readinto returns None when no data is waiting on a non-blocking
+        # socket (and while a TLS handshake needs more bytes); its TLS
+        # raises ValueError for a certificate it refuses: an OSError here
+        try:
+            n = sock.readinto(mv)
+        except ValueError as e:
+            raise OSError(str(e)) from None
         return -1 if n is None else n
+
+    def _send(sock, data):
+        # write: what plain and TLS sockets both have; None = would block
+        try:
+            n = sock.write(data)
+        except ValueError as e:
+            raise OSError(str(e)) from None
+        return 0 if n is None else n
+
+    def _tls_server(cfg):
+        # its mbedtls may be built without PEM: DER from the files
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(_der(cfg["tls_cert"]), _der(cfg["tls_key"] or cfg["tls_cert"]))
+        if cfg["tls_client_ca"]:
+            ctx.load_verify_locations(cadata=_der(cfg["tls_client_ca"]))
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def _pending(sock):
+        return 0  # its poll already sees bytes the TLS layer holds
 else:
 
     def _poll(p, timeout):
@@ -96,6 +123,50 @@ else:
             return sock.recv_into(mv)
         except BlockingIOError:
             return -1
+        except OSError as e:
+            if _tls_wants(e):
+                return -1  # TLS: a handshake or record needs more bytes
+            raise
+
+    def _send(sock, data):
+        try:
+            return sock.send(data)
+        except OSError as e:
+            if _tls_wants(e):
+                return 0
+            raise
+
+    def _tls_server(cfg):
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cfg["tls_cert"], cfg["tls_key"] or None)
+        if cfg["tls_client_ca"]:
+            ctx.load_verify_locations(cafile=cfg["tls_client_ca"])
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def _pending(sock):
+        # decrypted bytes poll cannot see (TLS only)
+        return sock.pending()
+
+
+def _tls_wants(e):
+    return type(e).__name__ in ("SSLWantReadError", "SSLWantWriteError")
+
+
+def _der(path):
+    """A certificate or key file as DER: PEM is decoded, DER kept."""
+    import binascii
+
+    with open(path, "rb") as f:
+        data = f.read()
+    i = data.find(b"-----BEGIN")
+    if i < 0:
+        return data
+    i = data.find(b"\n", i) + 1
+    j = data.find(b"-----END", i)
+    return binascii.a2b_base64(data[i:j].replace(b"\n", b"").replace(b"\r", b""))
 
 
 # A keyed hash for dicts of attacker-chosen topics: MicroPython's string
@@ -459,6 +530,9 @@ DEFAULTS = {
     "heap_reserve": 16384,
     "allow_anonymous": True,
     "users": {},
+    "tls_cert": "",
+    "tls_key": "",
+    "tls_client_ca": "",
     "retain_available": True,
     "max_retained_messages": 1000,
     "max_payload_size": 4096,
@@ -1358,6 +1432,7 @@ class Conn:
     problem = True  # Request Problem Information
     defer = None  # acks waiting for a durable store commit
     held = None  # bytearray: unparsed input held back by flow control
+    tls = False  # its socket is a TLS socket (the listener's tls_cert)
     linger = False  # ended by a protocol error: drained before the close
     paused = False  # server state: reading paused while held
     closed = False
@@ -3080,6 +3155,7 @@ class Broker:
         # Whether the board's network is up, for links that reach out (a
         # bridge): a function set by firmware; None = always (the host).
         self.net_up = None
+        self.tls = None  # the listener's TLS context (tls_cert), made by listen()
         self._pause = 0  # accept paused until this broker second
         # Graceful close: sockets that sent their last packet and wait for
         # the peer to close ([deadline, socket], oldest first; see _linger)
@@ -3096,6 +3172,13 @@ class Broker:
 
     # ------------------------------------------------------------ listen
     def listen(self, host, port):
+        if self.cfg["tls_cert"] and self.tls is None:
+            try:
+                self.tls = _tls_server(self.cfg)
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    "tls_cert: cannot load %r: %r" % (self.cfg["tls_cert"], e)
+                ) from None
         ai = socket.getaddrinfo(host, port)[0]
         s = socket.socket(ai[0], socket.SOCK_STREAM)
         try:
@@ -3195,8 +3278,21 @@ class Broker:
                     s.setsockopt(_IPPROTO_TCP, _TCP_NODELAY, 1)
                 except OSError:
                     pass
+                if self.tls is not None:
+                    # the handshake runs as bytes arrive: reads return "no
+                    # data" until it is done, and a failed one (a plain
+                    # client, a bad certificate) reads as a closed socket
+                    s = self.tls.wrap_socket(s, server_side=True, do_handshake_on_connect=False)
                 conn = eng.open(s, self.clock(), _peer(a))
+                conn.tls = self.tls is not None
                 self._watch(conn)
+            except (OSError, ValueError) as e:
+                # a TLS wrap that failed: this client only
+                try:
+                    s.close()
+                except OSError:
+                    pass
+                eng.refuse("tls", "TLS for %s: %r", _peer(a), e)
             except MemoryError:
                 # the socket was never watched (or is forgotten): close it
                 if conn is not None:
@@ -3222,6 +3318,8 @@ class Broker:
             self.engine.lost(conn, self.clock())
         else:
             self.engine.receive(conn, self.rmv, n, self.clock())
+            if conn.tls and not conn.closed and conn.held is None and _pending(conn.io):
+                self._read(conn)  # TLS: bytes already decrypted, which poll cannot see
 
     def _flush(self, conn):
         """Sends what the engine left in conn.out; True when all of it left."""
@@ -3229,15 +3327,13 @@ class Broker:
         if not o:
             return True
         try:
-            n = conn.io.send(o)
+            n = _send(conn.io, o)
         except OSError as e:
             if e.args[0] in _EAGAIN:
                 n = 0
             else:
                 self.engine.lost(conn, self.clock())
                 return True
-        if n is None:
-            n = 0
         done = self.engine.sent(conn, n)
         if not conn.closed:
             self._want_write(conn, not done)
@@ -3275,7 +3371,7 @@ class Broker:
         conn.out = None
         if out:
             try:
-                n = s.send(out)
+                n = _send(s, out)
             except OSError:
                 n = -1
             if n == len(out) and self._linger(s, conn.linger):

@@ -691,6 +691,10 @@ def flash_breakdown(cfg: Mapping[str, Any]) -> list[HeapItem]:
     ]
 
 
+#: The least heap_bytes a profile with a TLS listener (tls_cert) may have.
+TLS_MIN_HEAP: Final = 200_000
+
+
 def check_profile(
     profile: Mapping[str, Any],
     schema: Schema,
@@ -729,6 +733,15 @@ def check_profile(
             "backlog",
             f"backlog = {cfg['backlog']}: must be <= {cfg['sockets'] - 1} "
             f"(sockets {cfg['sockets']} - listener 1){on}",
+        )
+
+    # -- TLS: mbedTLS needs about 40 KB of heap for one handshake
+    if ok("tls_cert", "heap_bytes") and cfg.get("tls_cert") and cfg["heap_bytes"] < TLS_MIN_HEAP:
+        report.error(
+            "tls_cert",
+            f"tls_cert = {show(cfg['tls_cert'])}: a TLS listener needs heap_bytes >= "
+            f"{TLS_MIN_HEAP} (a handshake takes about 40 KB); heap_bytes is "
+            f"{cfg['heap_bytes']}{on} (a board with PSRAM, e.g. esp32s3)",
         )
 
     # -- sizes that must be consistent
