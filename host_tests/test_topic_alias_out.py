@@ -49,20 +49,27 @@ def _read_publishes(s, count, timeout=10):
     return out
 
 
-def test_aliases_map_on_first_use_then_replace_the_topic_bounded_by_the_client(broker_factory):
-    """Topic Alias Maximum 3 from the client, 6 topics each published twice:
-    the first three topics get aliases 1..3 (topic sent once with it, then
-    empty topic + alias), the other three are always sent in full."""
+def _pair(broker_factory, cid, props):
+    """A raw subscriber to site/# (CONNECT properties ``props``) and a raw
+    publisher, on a broker with topic_alias_maximum 10."""
     b = broker_factory(topic_alias_maximum=10)
     requires_edgebroker(b)
     s = socket.create_connection(("127.0.0.1", b.port), timeout=10)
-    s.sendall(connect_packet("ta-sub", version=5, props=prop_u16(0x22, 3)))
+    s.sendall(connect_packet(cid + "-sub", version=5, props=props))
     s.recv(64)
     s.sendall(subscribe_packet(1, [("site/#", 0)], version=5))
     s.recv(64)
     p = socket.create_connection(("127.0.0.1", b.port), timeout=10)
-    p.sendall(connect_packet("ta-pub", version=5))
+    p.sendall(connect_packet(cid + "-pub", version=5))
     p.recv(64)
+    return s, p
+
+
+def test_aliases_map_on_first_use_then_replace_the_topic_bounded_by_the_client(broker_factory):
+    """Topic Alias Maximum 3 from the client, 6 topics each published twice:
+    the first three topics get aliases 1..3 (topic sent once with it, then
+    empty topic + alias), the other three are always sent in full."""
+    s, p = _pair(broker_factory, "ta", prop_u16(0x22, 3))
     for rnd in range(2):
         for t in TOPICS:
             p.sendall(publish_packet(t, b"%d" % rnd, qos=0, version=5))
@@ -83,20 +90,13 @@ def test_aliases_map_on_first_use_then_replace_the_topic_bounded_by_the_client(b
 
 def test_no_alias_without_the_clients_consent(broker_factory):
     """No Topic Alias Maximum in CONNECT (0, the default): never an alias."""
-    b = broker_factory(topic_alias_maximum=10)
-    requires_edgebroker(b)
-    s = socket.create_connection(("127.0.0.1", b.port), timeout=10)
-    s.sendall(connect_packet("ta-none", version=5))
-    s.recv(64)
-    s.sendall(subscribe_packet(1, [("site/#", 0)], version=5))
-    s.recv(64)
-    p = socket.create_connection(("127.0.0.1", b.port), timeout=10)
-    p.sendall(connect_packet("ta-pub2", version=5))
-    p.recv(64)
+    s, p = _pair(broker_factory, "ta-none", b"")
     for rnd in range(2):
         p.sendall(publish_packet(TOPICS[0], b"x", qos=0, version=5))
     got = _read_publishes(s, 2)
     assert [(t, a) for t, a, _ in got] == [(TOPICS[0].encode(), None)] * 2
+    s.close()
+    p.close()
 
 
 def test_paho_which_has_no_alias_support_gets_every_topic_in_full(broker_factory):

@@ -1211,9 +1211,9 @@ class Bridge:
         name = t.get("server_hostname") or self.c["host"]
         if not hasattr(ssl, "SSLWantReadError"):  # MicroPython
             # its mbedtls may be built without PEM: DER from the files
-            ctx.load_verify_locations(cadata=_der(t["ca"]))
+            ctx.load_verify_locations(cadata=eb._der(t["ca"]))
             if t.get("cert"):
-                ctx.load_cert_chain(_der(t["cert"]), _der(t.get("key") or t["cert"]))
+                ctx.load_cert_chain(eb._der(t["cert"]), eb._der(t.get("key") or t["cert"]))
             s.setblocking(True)
             try:
                 s.settimeout(max(1, deadline - self.broker.clock()))
@@ -1486,19 +1486,6 @@ async def _writable(s):
 
 async def _wait_io(s, write):
     await eb._io_wait(s, write)
-
-
-def _der(path):
-    """A certificate or key file's first PEM block as DER (or the file as
-    it is when it is DER already)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    i = data.find(b"-----BEGIN")
-    if i < 0:
-        return data
-    i = data.find(b"\n", i) + 1
-    j = data.find(b"-----END", i)
-    return binascii.a2b_base64(data[i:j].replace(b"\n", b"").replace(b"\r", b""))
 
 
 def _blocked(e):

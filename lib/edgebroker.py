@@ -156,7 +156,8 @@ def _tls_wants(e):
 
 
 def _der(path):
-    """A certificate or key file as DER: PEM is decoded, DER kept."""
+    """A certificate or key file's first PEM block as DER (or the file as
+    it is when it is DER already): MicroPython's TLS may lack PEM."""
     import binascii
 
     with open(path, "rb") as f:
