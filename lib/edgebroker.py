@@ -1622,13 +1622,13 @@ class Engine:
                 if need:
                     return
                 conn.pend = None
-                if self.congested and pend[0] >> 4 == 3 and self.holds(conn):
-                    pend += data[take:n]
-                    self.hold(conn, pend)
-                    return
                 j = 1
                 while pend[j] & 0x80:
                     j += 1
+                if self.congested and pend[0] >> 4 == 3 and self.holds(conn, pend, j + 1, size):
+                    pend += data[take:n]
+                    self.hold(conn, pend)
+                    return
                 self.handle(conn, pend[0], pend, j + 1, size)
                 if conn.closed or take == n:
                     return
@@ -1674,18 +1674,41 @@ class Engine:
                 pend[0 : n - i] = data[i:n]
                 conn.need = size - (n - i)
                 return
-            if self.congested and data[i] >> 4 == 3 and self.holds(conn):
+            if self.congested and data[i] >> 4 == 3 and self.holds(conn, data, j, j + rl):
                 self.hold(conn, bytearray(data[i:n]))
                 return
             self.handle(conn, data[i], data, j, j + rl)
             i = j + rl
 
-    def holds(self, conn):
-        # A PUBLISH from this connection waits while a connected subscriber
-        # is at high water, unless it comes from one of those subscribers
-        # (its PUBACKs may follow in the same bytes) or before CONNECT.
+    def holds(self, conn, b, i, end):
+        # A PUBLISH waits (and what its connection sent after it) when its
+        # topic reaches a connected subscriber at high water, unless it
+        # comes from one of those subscribers (its PUBACKs may follow in the
+        # same bytes) or before CONNECT. Only while some queue is at high
+        # water; a topic given by an alias alone waits whatever it is.
         sess = conn.sess
-        return sess is not None and not sess.hw
+        if sess is None or sess.hw:
+            return False
+        if end - i < 2:
+            return False  # malformed: handle() says so
+        tl = b[i] << 8 | b[i + 1]
+        if not tl:
+            return True
+        if i + 2 + tl > end:
+            return False
+        try:
+            topic = str(bytes(b[i + 2 : i + 2 + tl]), "utf-8")
+        except UnicodeError:
+            return False
+        for subs in self.tree.match(topic.split("/"), topic[:1] == "$"):
+            for s in subs:
+                if type(s) is Group:
+                    for m in s.members:
+                        if m.hw:
+                            return True
+                elif s.hw:
+                    return True
+        return False
 
     def hold(self, conn, rest):
         conn.held = rest
