@@ -58,7 +58,7 @@
 #     stopped) is fed from a timer for MAINTENANCE_S so the REPL stays usable.
 #
 # Type-checked with mypy against micropython-esp32-stubs and
-# micropython-rp2-stubs (host_tests/test_firmware.py). Annotations cost
+# micropython-rp2-stubs (host_tests/tools/test_firmware.py). Annotations cost
 # nothing on the board: MicroPython's compiler ignores them.
 
 import gc

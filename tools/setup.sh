@@ -4,7 +4,7 @@
 #   1. .venv with python3 (>= 3.11), the pinned requirements.txt and the
 #      editable edgebroker-tools package (pip install -e . --no-deps).
 #      Skipped when .venv's stamp matches requirements.txt + pyproject.toml.
-#      Also the MicroPython type stubs for firmware/ (mypy in host_tests/test_firmware.py):
+#      Also the MicroPython type stubs for firmware/ (mypy in host_tests/tools/test_firmware.py):
 #      one folder per port, .venv/stubs/<port>, from tools/firmware_typecheck/<port>.txt
 #      with pip --target (the port packages cannot share one site-packages).
 #   2. mosquitto (reference broker) and mosquitto_pub/mosquitto_sub (a real C

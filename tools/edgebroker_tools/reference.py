@@ -5,7 +5,7 @@ from boards/schema.json.
     contract = update_contract(contract_path().read_text(), load_schema())
 
 `edgebroker config reference` writes both (`--check` compares instead);
-host_tests/test_boards.py holds the committed pages up to date.
+host_tests/tools/test_boards.py holds the committed pages up to date.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from mqtt_helpers import (
     utf8,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROTO = {0x81, 0x82}
 
 

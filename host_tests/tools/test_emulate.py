@@ -39,7 +39,7 @@ import pytest
 
 from edgebroker_tools.mqttclient import Client, parse_publish, puback_packet, publish_packet
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
 BAD_CAUSES = ("memory", "retained_heap", "heap_reserve")
 

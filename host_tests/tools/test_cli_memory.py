@@ -15,7 +15,7 @@ import pytest
 
 from mqtt_helpers import RawClient, raw_connect, mosquitto_pub, mosquitto_sub
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from mqtt_helpers import DISCONNECT, RawClient, publish_packet, raw_connect, requires_edgebroker
 
-SCRIPT = Path(__file__).resolve().parent / "portable" / "faulty_fs_broker.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "portable" / "faulty_fs_broker.py"
 STORAGE = pytest.mark.parametrize("storage", ["disc", "disc_only"])
 
 

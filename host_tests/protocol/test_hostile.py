@@ -32,7 +32,7 @@ from mqtt_helpers import (
     requires_edgebroker,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _mpy_script(interp, tmp_path):

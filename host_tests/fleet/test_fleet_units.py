@@ -23,7 +23,7 @@ from edgebroker_tools.fleet.inventory import InventoryError, load_inventory
 from edgebroker_tools.fleet.progress import Progress
 from edgebroker_tools.fleet.schema import SNAPSHOT_SCHEMA
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "host_tests" / "data"
 WHEN = datetime(2025, 6, 1, 10, 0, tzinfo=UTC)
 

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_memory_costs_were_measured_for_this_lib():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BOARDS = REPO / "boards"
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
 SCHEMA = json.loads((BOARDS / "schema.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 from mqtt_helpers import (DISCONNECT, RawClient, publish_packet, raw_connect,
                           requires_edgebroker)
 
-SCRIPT = Path(__file__).resolve().parent / "portable" / "failing_store_broker.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "portable" / "failing_store_broker.py"
 
 
 @pytest.mark.parametrize("version", [5, 4], ids=["v5", "v311"])

@@ -41,7 +41,7 @@ from edgebroker_tools.fleet import job
 from edgebroker_tools.fleet import spark as fleet_spark
 from edgebroker_tools.fleet.job_args import Options
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "host_tests" / "data"
 BIN = Path(sys.executable).parent
 TABLE_NAMES = ("fleet_state", "topic_history", "gateway_health", "limits_advice", "collect_status")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
 INTERPRETERS = ["cpython", "micropython"]
 

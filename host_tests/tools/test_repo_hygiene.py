@@ -13,8 +13,8 @@ import re
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SELF = "host_tests/test_repo_hygiene.py"
+REPO = Path(__file__).resolve().parents[2]
+SELF = "host_tests/tools/test_repo_hygiene.py"
 
 # Built from pieces so that this file does not match itself.
 SIBLING = ".." + "/shared"
@@ -36,7 +36,7 @@ ALLOWED = [
 ]
 #: `*.md` names that are not references to a document.
 NOT_DOC_REFERENCES = [
-    ("host_tests/test_boards.py", "ref.md"),  # a scratch file under tmp_path
+    ("host_tests/tools/test_boards.py", "ref.md"),  # a scratch file under tmp_path
 ]
 RULES = ["S%d" % i for i in range(1, 9)] + ["D%d" % i for i in range(1, 10)] + \
     ["E%d" % i for i in range(1, 5)] + ["L%d" % i for i in range(1, 6)]

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "lib"))
 
 import edgestore as es  # noqa: E402

@@ -27,7 +27,7 @@ import pytest
 
 from mqtt_helpers import RawClient
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
 
 

@@ -28,7 +28,7 @@ from mqtt_helpers import make_certs
 from mqtt_helpers import free_port, wait_for
 
 MOSQUITTO = "/usr/sbin/mosquitto"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # EDGEBROKER_TEST_INTERP restricts the interpreters as everywhere else; the
 # server is always the asyncio one (EDGEBROKER_TEST_SERVER does not apply).

@@ -19,7 +19,7 @@ import pytest
 
 from mqtt_helpers import connect_packet, make_certs, mosquitto_pub, requires_edgebroker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "host_tests" / "data"
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
 LIVE = ["sensors/t1", "config/mode", "alerts/door", "$app/version", "caf\u00e9/\u6c34"]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # host_tests
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from mqtt_helpers import STOP_ON_EOF, board_heap_64, broker_popen, free_port, paho_client, stop_process
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "host_tests" / "portable" / "local_app.py"
 READY = "edgebroker listening on"
 

@@ -73,7 +73,7 @@ from mqtt_helpers import (
     subscribe_packet,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO / "lib") not in sys.path:
     sys.path.insert(0, str(REPO / "lib"))
 
