@@ -526,6 +526,7 @@ DEFAULTS = {
     "max_sessions": 32,
     "topic_alias_maximum": 10,
     "server_keep_alive": 0,
+    "max_keepalive": 0,
     "max_session_expiry": 86400,
     "maximum_qos": 2,
     "heap_reserve": 16384,
@@ -569,6 +570,7 @@ _RANGES = {
     "max_sessions": (0, 1000000),
     "topic_alias_maximum": (0, 65535),
     "server_keep_alive": (0, 65535),
+    "max_keepalive": (0, 65535),
     "max_session_expiry": (0, 4294967295),
     "maximum_qos": (0, 2),
     "heap_reserve": (0, 1073741824),
@@ -1911,6 +1913,12 @@ class Engine:
                 "client id belongs to another user",
             )
         takeover = old is not None and old.conn is not None
+        mk = cfg["max_keepalive"]
+        if mk and not v5 and (ka == 0 or ka > mk) and not cfg["server_keep_alive"]:
+            # 3.1.1 cannot be told another keep alive: refused (as mosquitto)
+            return self.connack_refuse(
+                conn, _RC_QUOTA, _RC3_BAD_ID, "max_keepalive", "keep alive over max_keepalive"
+            )
         if self.connected >= cfg["max_clients"] and not takeover:
             return self.connack_refuse(
                 conn, _RC_QUOTA, _RC3_UNAVAILABLE, "max_clients", "max_clients reached"
@@ -1976,8 +1984,15 @@ class Engine:
         conn.cid = cid
         self.pre -= 1
         self.connected += 1
+        tell = False
         if v5 and cfg["server_keep_alive"]:
             ka = cfg["server_keep_alive"]  # MQTT-3.2.2-21: the client uses ours
+            tell = True
+        elif v5 and mk and (ka == 0 or ka > mk):
+            # max_keepalive: a longer keep alive (or none) becomes ours, and
+            # the client is told with Server Keep Alive (3.2.2.3.14)
+            ka = mk
+            tell = True
         conn.ka = ka
         if will is not None:
             wt, wp, wq, wf, we, wr, wd = will
@@ -1998,7 +2013,7 @@ class Engine:
             p += prop_byte(_P_WILDCARD_AVAILABLE, 1)
             p += prop_byte(_P_SUB_ID_AVAILABLE, 1)
             p += prop_byte(_P_SHARED_AVAILABLE, 1)
-            if cfg["server_keep_alive"]:
+            if tell:
                 p += prop_u16(_P_SERVER_KEEPALIVE, ka)
             self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
         else:
