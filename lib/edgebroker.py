@@ -532,6 +532,7 @@ DEFAULTS = {
     "heap_reserve": 16384,
     "allow_anonymous": True,
     "users": {},
+    "acl": [],
     "tls_cert": "",
     "tls_key": "",
     "tls_client_ca": "",
@@ -599,7 +600,40 @@ def limits(profile=None):
         for k in DEFAULTS:
             if k in profile:
                 cfg[k] = _checked(k, profile[k])
+    if cfg["acl"]:
+        _check_acl(cfg["acl"])
     return cfg
+
+
+# Topic ACLs: rule access as bits; a deny rule wins over any allow.
+_ACL_ACCESS = {"read": 1, "write": 2, "readwrite": 3, "deny": 4}
+_ACL_MAX = const(1000)
+
+
+def _check_acl(rules):
+    if len(rules) > _ACL_MAX:
+        raise ValueError("acl: %d rules (allowed at most %d)" % (len(rules), _ACL_MAX))
+    for n, r in enumerate(rules):
+        w = "acl[%d]" % n
+        if not isinstance(r, dict):
+            raise ValueError("%s: %r is not an object" % (w, r))
+        for k in r:
+            if k not in ("who", "access", "topic"):
+                raise ValueError("%s.%s: unknown key (allowed who, access, topic)" % (w, k))
+        who = r.get("who")
+        if not isinstance(who, str) or not (
+            who in ("all", "anonymous") or who[:5] == "user:" or who[:7] == "client:"
+        ):
+            raise ValueError(
+                '%s.who: %r (allowed "all", "anonymous", "user:NAME", "client:ID")' % (w, who)
+            )
+        if r.get("access") not in _ACL_ACCESS:
+            raise ValueError(
+                "%s.access: %r (allowed read, write, readwrite, deny)" % (w, r.get("access"))
+            )
+        t = r.get("topic")
+        if not isinstance(t, str) or not valid_filter(t.replace("%c", "c").replace("%u", "u")):
+            raise ValueError("%s.topic: %r is not a topic filter (%%c, %%u allowed)" % (w, t))
 
 
 def _checked(k, v):
@@ -1405,6 +1439,7 @@ class Session:
     expiry = 0  # Session Expiry Interval, seconds
     gone = 0  # broker seconds when the last connection closed
     hw = False  # connected, its queue at high water: publishers wait (flow control)
+    acl = None  # [(access bits, filter levels)] of the profile's acl for it
     hw_since = 0  # broker seconds when it got there (slow_consumer_timeout)
 
     def __init__(self, cid):
@@ -1946,6 +1981,12 @@ class Engine:
             return self.connack_refuse(
                 conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED, "sys_publish", "will topic in $SYS"
             )
+        acl = self.acl_for(cid, user)
+        if will is not None and acl is not None and not self.may(acl, will[0], 2):
+            # the will is checked at CONNECT like a PUBLISH would be
+            return self.connack_refuse(
+                conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED, "acl", "will topic not allowed"
+            )
         if will is not None and will[2] > cfg["maximum_qos"]:
             return self.connack_refuse(
                 conn, _RC_QOS_UNSUPPORTED, _RC3_UNAVAILABLE, "qos", "will QoS above Maximum QoS"
@@ -1979,6 +2020,7 @@ class Engine:
             if user is not None:
                 sess.user = user
         sess.expiry = sexp
+        sess.acl = acl
         sess.conn = conn
         conn.sess = sess
         conn.cid = cid
@@ -2170,10 +2212,12 @@ class Engine:
         payload = bytes(b[i:end])
         self.n_in += 1
         sess = conn.sess
-        if topic[:4] == "$SYS":
-            # $SYS belongs to the broker: a client cannot publish there. 5.0
-            # refuses with 0x87, which ends a QoS 2 exchange at PUBREC (4.3.3)
-            self.refuse("sys_publish", "client %s published to %s", conn.cid, topic)
+        if topic[:4] == "$SYS" or (sess.acl is not None and not self.may(sess.acl, topic, 2)):
+            # $SYS belongs to the broker, and the acl may deny a topic: 5.0
+            # refuses with 0x87, which ends a QoS 2 exchange at PUBREC
+            # (4.3.3); 3.1.1 is acknowledged and dropped (as mosquitto)
+            why = "sys_publish" if topic[:4] == "$SYS" else "acl"
+            self.refuse(why, "client %s published to %s", conn.cid, topic)
             if qos:
                 body = u16(pid) + (b"\x87" if conn.ver == 5 else b"")
                 self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, len(body))) + body)
@@ -2267,6 +2311,8 @@ class Engine:
             # MQTT-3.3.4-2: one copy per session at the highest granted QoS,
             # carrying every matching Subscription Identifier (MQTT-3.3.4-3)
             for sess in matched:
+                if sess.acl is not None and not self.may(sess.acl, topic, 1):
+                    continue  # an allowed subscription never carries a denied topic
                 q, rap, sids = matched[sess]
                 # 3.1.1 MQTT-3.3.1-9 / 5.0 MQTT-3.3.1-12/13: RETAIN is kept
                 # on forwarding only with Retain As Publish
@@ -2277,11 +2323,52 @@ class Engine:
             # its non-shared subscriptions, as mosquitto does)
             for g in shared:
                 sess = g.pick()
-                if sess is not None:
+                if sess is not None and (sess.acl is None or self.may(sess.acl, topic, 1)):
                     opts, sid = g.members[sess]
                     rr = 1 if (retain and opts & 8) else 0
                     self.deliver(sess, msg, opts & 3, rr, [sid] if sid else None)
         return wait
+
+    def acl_for(self, cid, user):
+        """The profile's acl for one client, expanded once at CONNECT
+        (%c: client id, %u: user name): [(access bits, filter levels)], or
+        None when there is no acl. A rule whose %c or %u would bring a
+        wildcard or a level separator in is left out (it allows nothing)."""
+        rules = self.cfg["acl"]
+        if not rules:
+            return None
+        out = []
+        for r in rules:
+            who = r["who"]
+            if not (
+                who == "all"
+                or (who == "anonymous" and user is None)
+                or (user is not None and who[:5] == "user:" and who[5:] == user)
+                or (who[:7] == "client:" and who[7:] == cid)
+            ):
+                continue
+            t = r["topic"]
+            if "%u" in t:
+                if user is None or "/" in user or "+" in user or "#" in user:
+                    continue
+                t = t.replace("%u", user)
+            if "%c" in t:
+                if "/" in cid or "+" in cid or "#" in cid:
+                    continue
+                t = t.replace("%c", cid)
+            out.append((_ACL_ACCESS[r["access"]], t.split("/")))
+        return out
+
+    def may(self, acl, topic, want):
+        # want: 1 read, 2 write; any matching deny rule wins
+        ok = False
+        for acc, fl in acl:
+            if topic_matches(fl, topic):
+                if acc & 4:
+                    return False
+                if acc & want:
+                    ok = True
+        return ok
 
     def unsub(self, sess, filt):
         # a subscription leaves the tree (a shared one leaves its group)
@@ -2535,6 +2622,8 @@ class Engine:
                     continue
                 if m[_M_EXP] and m[_M_EXP] <= self.now_s:
                     continue  # its lifetime has passed (E1)
+                if sess.acl is not None and not self.may(sess.acl, m[_M_TOPIC], 1):
+                    continue  # retained messages obey the read rules
             qos = m[_M_QOS] if m[_M_QOS] < ent[_R_OPTS] & 3 else ent[_R_OPTS] & 3
             sids = [ent[_R_SID]] if ent[_R_SID] else None
             if qos:
@@ -2655,6 +2744,13 @@ class Engine:
             ):
                 codes.append(_RC_BAD_FILTER if v5 else 0x80)
                 why = "invalid topic filter"
+                continue
+            if sess.acl is not None and not self.may(sess.acl, inner, 1):
+                # the filter itself must be readable (its levels, wildcards
+                # included, matched by a read rule; a deny rule wins)
+                self.refuse("acl", "client %s subscribe %s", conn.cid, filt)
+                codes.append(_RC_NOT_AUTHORIZED if v5 else 0x80)
+                why = "not authorized"
                 continue
             if type(sess.subs) is tuple:
                 sess.subs = {}
