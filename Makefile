@@ -6,7 +6,7 @@ PORT   ?= 1883
 INTERP ?= cpython
 VENV   := .venv
 
-.PHONY: venv run test bench bench-pipeline pipeline bench-store bench-bridge fuzz lint clean measure-memory board-reference
+.PHONY: venv run test bench bench-pipeline pipeline bench-store bench-bridge fuzz bench-slowsub lint clean measure-memory board-reference
 
 venv:  ## .venv with pinned deps + editable tools, mosquitto (no-op when done)
 	bash tools/setup.sh
@@ -19,6 +19,9 @@ test: venv  ## host tests, both interpreters and both servers, 4 workers by file
 
 bench: venv  ## benchmarks: poll and asyncio servers on both interpreters vs mosquitto, all scenarios incl. the flash store (~6 minutes)
 	$(VENV)/bin/python -m edgebroker_tools.bench
+
+bench-slowsub: venv  ## acknowledged QoS 1 messages lost for a slow subscriber (max_queued 100), edgebroker vs mosquitto
+	$(VENV)/bin/python -m edgebroker_tools.bench_slowsub
 
 fuzz: venv  ## the engine fuzzer's long mode: 1,000,000 mutated packets per interpreter (make test runs 60,000)
 	$(VENV)/bin/python -m edgebroker_tools.fuzz

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -192,16 +193,21 @@ def mpy_cross_executable() -> Path:
 
 
 def compile_mpy(source: Path, out_dir: Path | None = None) -> Path:
-    """Compile a MicroPython module to .mpy (cached: redone when the source is newer).
+    """Compile a MicroPython module to .mpy (cached: redone when the source differs).
 
-    The default output is <repo>/build/mpy/<name>.mpy.
+    The default output is <repo>/build/mpy/<name>.mpy. The cache is keyed on
+    the source's content (a <name>.mpy.sha256 stamp beside it), not its
+    mtime: another file of the same name (EDGEBROKER_LIB, an older checkout)
+    must never run stale bytecode.
     """
     if source.suffix == ".mpy":
         return source
     target_dir = out_dir if out_dir is not None else repo_root() / "build" / "mpy"
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / (source.stem + ".mpy")
-    if target.exists() and target.stat().st_mtime >= source.stat().st_mtime:
+    stamp = target.with_name(target.name + ".sha256")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    if target.exists() and stamp.exists() and stamp.read_text().strip() == digest:
         return target
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     result = subprocess.run(
@@ -214,6 +220,9 @@ def compile_mpy(source: Path, out_dir: Path | None = None) -> Path:
         tmp.unlink(missing_ok=True)
         raise RunnerError(f"mpy-cross failed on {source}: {result.stderr.strip()}")
     tmp.replace(target)  # atomic: parallel test workers never see half a file
+    stamp_tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+    stamp_tmp.write_text(digest + "\n")
+    stamp_tmp.replace(stamp)
     return target
 
 
