@@ -17,7 +17,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from mqtt_helpers import connect_packet, make_certs, mosquitto_pub, requires_edgebroker
+from mqtt_helpers import connect_packet, make_certs, mosquitto_pub, mosquitto_sub, requires_edgebroker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,6 +57,10 @@ def test_paho_and_mosquitto_clients_over_tls(broker_factory, certs):
         pub.publish("tls/paho", b"%d" % k, qos=1).wait_for_publish(10)
     mosquitto_pub(b.port, ["-h", "localhost", "--cafile", str(certs / "ca.pem"),
                            "-t", "tls/mosq", "-m", "hello", "-q", "1"])
+    mosquitto_pub(b.port, ["-h", "localhost", "--cafile", str(certs / "ca.pem"),
+                           "-t", "tlsr/kept", "-m", "retained", "-q", "1", "-r"])
+    assert mosquitto_sub(b.port, ["-h", "localhost", "--cafile", str(certs / "ca.pem"),
+                                  "-t", "tlsr/#", "-v"], count=1, timeout=10) == ["tlsr/kept retained"]
     deadline = time.monotonic() + 10
     while len(got) < 21 and time.monotonic() < deadline:
         time.sleep(0.05)
