@@ -448,7 +448,6 @@ _RC_TOO_LARGE = const(0x95)
 _RC_QUOTA = const(0x97)
 _RC_RETAIN_UNSUPPORTED = const(0x9A)
 _RC_QOS_UNSUPPORTED = const(0x9B)
-_RC_SHARED_UNSUPPORTED = const(0x9E)
 
 # 3.1.1 CONNACK return codes (3.2.2.3)
 _RC3_BAD_VERSION = const(1)
@@ -1541,9 +1540,9 @@ class Engine:
         self.max_outbuf = c["max_outbuf"]
         self.max_inflight = c["max_inflight"]
         self.max_queued = c["max_queued"]
-        # Flow control (docs/design.md): a connected subscriber whose queue
-        # reaches high water makes every other publisher's PUBLISH wait,
-        # unparsed, until all such queues are back to low water, so that
+        # Flow control (docs/design.md): while a connected subscriber's queue
+        # is at high water, a PUBLISH whose topic reaches it waits unparsed
+        # (holds()) until every such queue is back to low water, so that
         # PUBACKs slow down instead of acknowledged messages being dropped.
         self.hw = max(1, self.max_queued // 2)
         self.lw = self.hw // 2
@@ -2739,7 +2738,6 @@ class Engine:
             if (
                 not valid_filter(inner)
                 or len(filt.encode()) > cfg["max_topic_length"]
-                or filt.count("/") >= cfg["max_topic_levels"] + 2
                 or inner.count("/") >= cfg["max_topic_levels"]
             ):
                 codes.append(_RC_BAD_FILTER if v5 else 0x80)
