@@ -558,20 +558,16 @@ class Gateway:
         return True
 
     def start_broker(self) -> "Any":
-        """edgebroker's public API: the profile's limits (with the users of
-        /secrets.json), its retained store in DATA_DIR, listening on the
+        """edgebroker's public API: the profile's limits (with the users and
+        bridge credentials of /secrets.json), its retained store in DATA_DIR, listening on the
         profile's bind:port. What edgebroker.start() does, but the store
         gets this board's wallclock(), which knows whether NTP set the clock
         (an RP2 boots with its RTC at 2021-01-01, a date that looks set)."""
         gc.collect()
         import edgebroker  # here, not at the top: an import failure is a crash like any other
 
-        cfg = edgebroker.limits(self.profile)
-        users = (self.secrets or {}).get("users")
-        if users:
-            merged = dict(cfg.get("users") or {})
-            merged.update(users)
-            cfg["users"] = merged
+        # users and bridge credentials live in /secrets.json, not the profile
+        cfg = edgebroker.limits(edgebroker.with_secrets(self.profile, self.secrets))
         clock = edgebroker.MonoClock()  # one monotonic clock for the store and the broker
         try:
             os.mkdir(DATA_DIR)

@@ -1075,7 +1075,18 @@ class Bridge:
     def _connected(self, clock):
         sp, rc, props = self.connack
         if rc:
-            raise _Down("CONNACK refused 0x%02x" % rc)
+            # the common refusals named (MQTT 5 table 3-1; 3.1.1 codes 4, 5)
+            why = {
+                4: "bad user name or password",
+                5: "not authorized",
+                0x86: "bad user name or password",
+                0x87: "not authorized",
+                0x85: "client identifier not valid",
+                0x8A: "banned",
+                0x88: "server unavailable",
+                0x84: "unsupported protocol version",
+            }
+            raise _Down("CONNACK refused 0x%02x (%s)" % (rc, why.get(rc, "see the upstream's log")))
         self.window = min(self.c["max_inflight"], props.get(0x21, 65535))
         self.maxqos = props.get(0x24, 2)
         self.upmax = props.get(0x27, 268435460)  # the upstream's Maximum Packet Size

@@ -604,6 +604,52 @@ def limits(profile=None):
     return cfg
 
 
+def with_secrets(profile, secrets):
+    """The profile with a secrets file's credentials merged in (the board's
+    /secrets.json, the host's --secrets FILE), so that passwords stay out of
+    profiles that are shared or committed: "users" adds to (and overrides)
+    the profile's users; "bridges": {"<name>": {"username", "password"}}
+    fills in the bridge of that name. A name the profile has no bridge for,
+    or a value that is not a string, raises ValueError naming the key."""
+    if not secrets:
+        return profile
+    if not isinstance(secrets, dict):
+        raise ValueError("secrets: %r is not an object" % (secrets,))
+    out = dict(profile or {})
+    users = secrets.get("users")
+    if users:
+        if not isinstance(users, dict):
+            raise ValueError("secrets users: %r is not an object" % (users,))
+        merged = dict(out.get("users") or {})
+        merged.update(users)
+        out["users"] = merged
+    creds = secrets.get("bridges")
+    if creds:
+        if not isinstance(creds, dict):
+            raise ValueError("secrets bridges: %r is not an object" % (creds,))
+        items = out.get("bridges")
+        items = [dict(b) if isinstance(b, dict) else b for b in items or ()]
+        for name in creds:
+            w = "secrets bridges.%s" % name
+            c = creds[name]
+            if not isinstance(c, dict):
+                raise ValueError("%s: %r is not an object" % (w, c))
+            found = None
+            for b in items:
+                if isinstance(b, dict) and b.get("name") == name:
+                    found = b
+            if found is None:
+                raise ValueError("%s: the profile has no bridge named %r" % (w, name))
+            for k in c:
+                if k not in ("username", "password"):
+                    raise ValueError("%s.%s: unknown key (allowed username, password)" % (w, k))
+                if not isinstance(c[k], str):
+                    raise ValueError("%s.%s: %r is not a string" % (w, k, c[k]))
+                found[k] = c[k]
+        out["bridges"] = items
+    return out
+
+
 # Topic ACLs: rule access as bits; a deny rule wins over any allow.
 _ACL_ACCESS = {"read": 1, "write": 2, "readwrite": 3, "deny": 4}
 _ACL_MAX = const(1000)
@@ -3945,7 +3991,9 @@ def _die(text):
 def main(argv):
     """Host build and emulator: `edgebroker.py --board F --port N
     [--bind A] [--data-dir D] [--server poll|async] [--set key=value]...
-    [--stop-on-eof]`. Errors are one line on stderr and exit status 2.
+    [--secrets F] [--stop-on-eof]`. Errors are one line on stderr and exit
+    status 2. --secrets: a JSON file like the board's /secrets.json (users,
+    bridge credentials; with_secrets()).
 
     SIGINT stops the broker cleanly (exit 0); on CPython SIGTERM too. The
     MicroPython unix port raises KeyboardInterrupt straight from its signal
@@ -3964,6 +4012,7 @@ def main(argv):
     data_dir = None
     server = "poll"
     sets = []
+    secrets = None
     stop_on_eof = False
     i = 1
     while i < len(argv):
@@ -3988,6 +4037,8 @@ def main(argv):
             bind = v
         elif a == "--data-dir":
             data_dir = v
+        elif a == "--secrets":
+            secrets = v
         elif a == "--server":
             if v not in ("poll", "async"):
                 _die("--server %s: allowed poll, async" % v)
@@ -4009,6 +4060,16 @@ def main(argv):
     for kv in sets:
         k, v = kv.split("=", 1)
         profile[k] = _parse_value(v)
+    if secrets is not None:
+        try:
+            with open(secrets) as f:
+                secrets = json.load(f)
+        except (OSError, ValueError) as e:
+            _die("cannot read secrets file %s: %s" % (secrets, e))
+        try:
+            profile = with_secrets(profile, secrets)
+        except ValueError as e:
+            _die("%s" % (e,))
     try:
         lvl = _LEVELS[profile.get("log_level", "info")]
     except (KeyError, TypeError):

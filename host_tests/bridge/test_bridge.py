@@ -554,6 +554,67 @@ def test_poll_server_refuses_bridges(tmp_path, which):
     assert "need the asyncio server" in r.stdout + r.stderr  # MicroPython: traceback on stdout
 
 
+@ASYNC
+def test_credentials_come_from_the_secrets_file(broker_factory, upstream, collector, tmp_path):
+    """Issue 10 item 1: username/password from the secrets file (the
+    board's /secrets.json; --secrets on the host), not the profile. The
+    upstream checks a password file: the right secret connects as that user
+    (its log names it) and forwards; a wrong one is refused and named in
+    the bridge's state."""
+    pw = tmp_path / "passwords"
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(pw), "gw-user", "s3cret"], check=True,
+                   capture_output=True, timeout=30)
+    up = upstream("password_file %s\n" % pw)
+    col = collector(up.port)
+    good = tmp_path / "secrets.json"
+    good.write_text(json.dumps({"bridges": {"cloud": {"username": "gw-user",
+                                                      "password": "s3cret"}}}))
+    gw = gateway(broker_factory, [bridge(up.port, OUT)], extra_args=("--secrets", str(good)))
+    wait_connected(gw)
+    publish_many(gw.port, [("sensors/s", b"with credentials")])
+    assert wait_for(lambda: ("site1/gw1/sensors/s", b"with credentials")
+                    in [(t, p) for t, p, r, q in col.get()], 10), col.get()
+    assert wait_for(lambda: "u'gw-user'" in up.log(), 5), up.log()[-2000:]
+    gw.stop()
+    bad = tmp_path / "bad-secrets.json"
+    bad.write_text(json.dumps({"bridges": {"cloud": {"username": "gw-user",
+                                                     "password": "wrong"}}}))
+    gw = gateway(broker_factory, [bridge(up.port, OUT)], extra_args=("--secrets", str(bad)))
+    # mosquitto answers 0x86 or 0x87 (Not authorized) for a wrong password
+    assert wait_for(lambda: "(bad user name or password)" in bridge_state(gw.port)["last_error"]
+                    or "(not authorized)" in bridge_state(gw.port)["last_error"], 15), \
+        bridge_state(gw.port)
+    assert not bridge_state(gw.port)["connected"]
+
+
+@pytest.mark.parametrize("which", ["cpython", "micropython"])
+def test_secrets_for_a_bridge_the_profile_lacks_are_refused(tmp_path, which):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"storage_type": "disc_only",
+                                "bridges": [bridge(free_port(), OUT)]}))
+    sec = tmp_path / "s.json"
+    sec.write_text(json.dumps({"bridges": {"clod": {"username": "u", "password": "p"}}}))
+    from conftest import micropython_exe
+
+    exe = [sys.executable] if which == "cpython" else [micropython_exe()]
+    r = subprocess.run(exe + ["lib/edgebroker.py", "--board", str(prof), "--port", str(free_port()),
+                              "--data-dir", str(tmp_path / "d"), "--server", "async",
+                              "--secrets", str(sec)],
+                       cwd=str(REPO), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "secrets bridges.clod: the profile has no bridge named 'clod'" in r.stderr
+    # the host tool says the same before it starts anything
+    host = json.loads((REPO / "boards" / "host.json").read_text())
+    host.update(json.loads(prof.read_text()), fs_reserve_bytes=131072)  # room for edgebridge.mpy
+    prof.write_text(json.dumps(host))
+    tool = Path(sys.executable).parent / "edgebroker"
+    r = subprocess.run([str(tool), "run", "--board", str(prof), "--port", str(free_port()),
+                        "--secrets", str(sec), "--data-dir", str(tmp_path / "d")],
+                       cwd=str(REPO), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "bridges.clod: the profile has no bridge named 'clod' (it has 'cloud')" in r.stderr
+
+
 def bridge_state(port, name="cloud"):
     """The gateway's $SYS/broker/bridge/<name>/state, as a dict."""
     from mqtt_helpers import paho_client

@@ -114,6 +114,24 @@ def test_queue_recovers_from_a_torn_tail_and_bounds_itself(tmp_path, exe):
     assert size < 64 and same_seq and moved == 1
     assert out["reopened"] == [0, True]
     assert out["bad_moved"] > 0
+    # issue 10 item 8: the real console script reads the queue this
+    # interpreter wrote (cursor, backlog, dead bytes) and checks it
+    cli = [str(Path(sys.executable).parent / "edgebroker"), "store"]
+    queue = str(tmp_path / "bridge-t.ebrq")
+    r = subprocess.run(cli + ["inspect", queue, "--json"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["kind"] == "ok" and rep["backlog"] == 6 and rep["next_seq"] == 10
+    assert rep["first"][0]["topic"] == "t/1" and rep["torn_bytes"] == 0
+    r = subprocess.run(cli + ["inspect", queue], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "backlog  6 message(s)" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(cli + ["check", queue], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "ok (bridge queue: 6 message(s) in the backlog" in r.stdout
+    with open(queue, "ab") as f:
+        f.write(b"M\x00\x00")  # a power cut one record later: a torn tail
+    r = subprocess.run(cli + ["check", queue], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "damaged: torn tail of 3 bytes" in r.stdout, r.stdout
 
 
 BR = {"name": "c", "host": "h", "topics": [{"pattern": "a/#"}]}

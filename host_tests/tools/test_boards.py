@@ -346,3 +346,24 @@ def test_reference_check_notices_a_stale_page(tmp_path):
     config("reference", "--check", "--out", str(stale), check=1)
     config("reference", "--out", str(stale), check=0)
     config("reference", "--check", "--out", str(stale), check=0)
+
+
+@pytest.mark.parametrize(("secrets", "says"), [
+    ({"bridges": {"cloud": {"username": "u", "password": "p"}}}, None),
+    ({"users": {}}, None),
+    ({"bridges": {"clod": {"password": "p"}}},
+     "bridges.clod: the profile has no bridge named 'clod' (it has 'cloud')"),
+    ({"bridges": {"cloud": {"passwd": "p"}}},
+     "bridges.cloud.passwd: unknown key (allowed username, password)"),
+    ({"bridges": {"cloud": {"password": 5}}}, "bridges.cloud.password: 5 is not a string"),
+    ({"bridges": ["cloud"]}, "bridges: ['cloud'] is not an object"),
+])
+def test_secrets_bridges_map_is_checked_naming_the_key(secrets, says):
+    """Issue 10 item 1: bridge credentials in the secrets file, checked by
+    `flash` and `run` the way the broker's with_secrets() merges them."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from edgebroker_tools import profiles
+
+    profile = {"bridges": [{"name": "cloud", "host": "h", "topics": [{"pattern": "a/#"}]}]}
+    got = profiles.check_secret_bridges(secrets, profile)
+    assert got == says if says is None else says in (got or "")

@@ -968,6 +968,33 @@ def host_warnings(report: Report, bind: str) -> list[Issue]:
     return out
 
 
+def check_secret_bridges(secrets: Any, profile: Mapping[str, Any]) -> str | None:
+    """The "bridges" map of a secrets file: {"<bridge name>": {"username",
+    "password"}} for bridges the profile has (the broker's with_secrets()
+    merges it). One line naming the key when it is wrong, else None."""
+    if not isinstance(secrets, dict):
+        return "must hold a JSON object"
+    creds = secrets.get("bridges")
+    if creds is None:
+        return None
+    if not isinstance(creds, dict):
+        return f"bridges: {creds!r} is not an object of bridge name -> credentials"
+    names = [b.get("name") for b in profile.get("bridges") or () if isinstance(b, dict)]
+    for name, entry in creds.items():
+        where = f"bridges.{name}"
+        if name not in names:
+            have = ", ".join(repr(n) for n in names) or "none"
+            return f"{where}: the profile has no bridge named {name!r} (it has {have})"
+        if not isinstance(entry, dict):
+            return f"{where}: {entry!r} is not an object"
+        for key, value in entry.items():
+            if key not in ("username", "password"):
+                return f"{where}.{key}: unknown key (allowed username, password)"
+            if not isinstance(value, str):
+                return f"{where}.{key}: {value!r} is not a string"
+    return None
+
+
 def check_users(report: Report, users: Any, where: str) -> None:
     """Each password entry: pbkdf2 well formed (error), bare sha256 (error),
     plain text (warning). Messages never repeat a password."""

@@ -247,6 +247,7 @@ def broker_command(
     overrides: Sequence[str] = (),
     lib: Path | None = None,
     server: str = "poll",
+    secrets: Path | None = None,
 ) -> list[str]:
     """The argv that starts the broker, per docs/contract.md.
 
@@ -278,6 +279,8 @@ def broker_command(
             rest += ["--server", server]
         if data_dir is not None:
             rest += ["--data-dir", str(data_dir)]
+        if secrets is not None:
+            rest += ["--secrets", str(secrets)]
         for item in overrides:
             rest += ["--set", check_override(item)]
         # stopped by closing its stdin: see start_broker
@@ -290,6 +293,8 @@ def broker_command(
         argv += ["--server", server]
     if data_dir is not None:
         argv += ["--data-dir", str(data_dir)]
+    if secrets is not None:
+        argv += ["--secrets", str(secrets)]
     for item in overrides:
         argv += ["--set", check_override(item)]
     return argv

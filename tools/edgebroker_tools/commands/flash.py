@@ -475,6 +475,9 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
         warnings.append(f'{path} has no "ap_password" of 8+ characters: wifi_mode "ap" needs one')
     if mode != "ap" and not data.get("wifi_ssid"):
         warnings.append(f'{path} has no "wifi_ssid": the board will not join a network')
+    problem = profiles.check_secret_bridges(data, target.profile)
+    if problem:
+        raise CommandError(f"secrets file {path}: {problem}")
     # the gateway merges these users into the profile: the profile's rules apply
     users = profiles.Report(target.name, {})
     profiles.check_users(users, data.get("users"), "users")

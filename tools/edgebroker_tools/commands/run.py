@@ -11,6 +11,7 @@ SIGINT/SIGTERM to it as SIGINT and exits with its exit code.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -91,8 +92,35 @@ def register(subparsers: Subparsers) -> None:
         default="poll",
         help="poll (default: the host's fastest) or async (the asyncio server, as on a board)",
     )
+    parser.add_argument(
+        "--secrets",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=(
+            'a secrets file like the board\'s /secrets.json: "users" and "bridges" '
+            '{"<name>": {"username", "password"}} are merged into the profile'
+        ),
+    )
     add_set_option(parser)
     parser.set_defaults(handler=handle)
+
+
+def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
+    """The --secrets file, checked here like `flash` checks it (one line
+    naming the key); the broker merges it (edgebroker.with_secrets)."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CommandError(f"cannot read secrets file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CommandError(f"secrets file {path} is not valid JSON: {exc}") from None
+    problem = profiles.check_secret_bridges(data, profile)
+    if problem:
+        raise CommandError(f"secrets file {path}: {problem}")
+    return path.resolve()
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -137,5 +165,6 @@ def handle(args: argparse.Namespace) -> int:
         overrides=overrides,
         lib=lib,
         server=cast(str, args.server),
+        secrets=_secrets(cast("Path | None", args.secrets), checked.profile),
     )
     return runner.run_foreground(argv, stop_by_eof=interpreter == "micropython")

@@ -1,7 +1,12 @@
-"""`edgebroker store`: look into a retained-store file (storage_type disc/disc_only).
+"""`edgebroker store`: look into a retained-store file (storage_type disc/disc_only)
+or a bridge queue file (data/bridge-<name>.ebrq).
 
     edgebroker store inspect FILE [--json] [--now UNIX_SECONDS]
     edgebroker store check FILE
+
+A file that starts with the bridge queue's magic (EBRQ) is read by
+lib/edgebridge.py's inspect() instead (bridge_inspect.py): cursor, backlog,
+dead bytes, torn and corrupt records, QoS 2 messages past PUBREC.
 
 Both read the file with lib/edgestore.py's own reader (store_report.inspect()
 over edgestore.replay(), the decisions FlashStore makes when it opens a
@@ -25,6 +30,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, cast
 
+from edgebroker_tools.bridge_inspect import (
+    bridge_problems,
+    format_bridge_report,
+    is_bridge_queue,
+    read_bridge_report,
+)
 from edgebroker_tools.commands import CommandError
 from edgebroker_tools.commands.store_report import Report, inspect, load_edgestore
 
@@ -74,8 +85,11 @@ def register(subparsers: Subparsers) -> None:
     """Add the `store` subcommand and its actions."""
     parser = subparsers.add_parser(
         "store",
-        help="inspect or check a retained-store file",
-        description="Read a flash retained-store file (.ebrs) without changing it.",
+        help="inspect or check a retained-store or bridge queue file",
+        description=(
+            "Read a flash retained-store file (.ebrs) or a bridge queue file "
+            "(.ebrq) without changing it."
+        ),
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     inspect = actions.add_parser(
@@ -88,7 +102,7 @@ def register(subparsers: Subparsers) -> None:
             "clock and, where a record has a wall time, the host clock (--now)."
         ),
     )
-    inspect.add_argument("file", type=Path, metavar="FILE", help="the store file")
+    inspect.add_argument("file", type=Path, metavar="FILE", help="the store or queue file")
     inspect.add_argument("--json", action="store_true", help="the whole report as JSON")
     inspect.add_argument(
         "--now",
@@ -106,7 +120,7 @@ def register(subparsers: Subparsers) -> None:
             "record, bad magic, future version, cut header). Prints one line."
         ),
     )
-    check.add_argument("file", type=Path, metavar="FILE", help="the store file")
+    check.add_argument("file", type=Path, metavar="FILE", help="the store or queue file")
     check.set_defaults(handler=handle_check)
 
 
@@ -198,6 +212,11 @@ def format_report(report: Report) -> str:
 
 def handle_inspect(args: argparse.Namespace) -> int:
     """Print the report; exit 0 (a damaged store is reported, not an error)."""
+    path = cast(Path, args.file)
+    if is_bridge_queue(path):
+        queue = read_bridge_report(path)
+        _emit(json.dumps(queue, indent=2) if args.json else format_bridge_report(queue))
+        return EXIT_CLEAN
     now = cast("float | None", args.now)
     report = read_report(cast(Path, args.file), time.time() if now is None else now)
     if args.json:
@@ -210,6 +229,17 @@ def handle_inspect(args: argparse.Namespace) -> int:
 def handle_check(args: argparse.Namespace) -> int:
     """One line; exit 0 when clean, 1 when damaged."""
     path = cast(Path, args.file)
+    if is_bridge_queue(path):
+        queue = read_bridge_report(path)
+        trouble = bridge_problems(queue)
+        if trouble:
+            _emit(f"{path}: damaged: " + "; ".join(trouble))
+            return EXIT_DAMAGED
+        _emit(
+            f"{path}: ok (bridge queue: {queue['backlog']} message(s) in the backlog, "
+            f"{queue['dead_bytes']} dead bytes)"
+        )
+        return EXIT_CLEAN
     report = read_report(path, None)
     damage = problems(report)
     if damage:
