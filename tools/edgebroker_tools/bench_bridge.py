@@ -11,9 +11,12 @@ upstream through a gate (a loopback proxy) that turns connections away
 while an outage is simulated, so the collector on the upstream is never the
 one missing messages. Scenarios:
 
-  throughput  QoS 1 messages/s from the local publisher to the upstream
-              collector, upstream up (publisher window 64, both bridges at
-              20 in flight)
+  throughput  QoS 1 messages/s from the local publishers to the upstream
+              collector, upstream up: --publishers OS processes (4), each
+              one MQTT client with a window of 64, both bridges at 20 in
+              flight; the publishers' CPU and this process's (collector and
+              gate) are printed beside it, so a saturated load generator
+              shows
   drain       a backlog of N messages queued during an outage: seconds and
               messages/s from the first to the last arrival once the gate opens
   power cut   the edge SIGKILLed after a quarter of the backlog arrived and
@@ -31,7 +34,9 @@ import argparse
 import contextlib
 import getpass
 import json
+import multiprocessing
 import os
+import resource
 import select
 import shutil
 import signal
@@ -53,6 +58,7 @@ MOSQUITTO: Final = "/usr/sbin/mosquitto"
 PAYLOAD: Final = b"x" * 32
 INFLIGHT: Final = 20
 WINDOW = 64  # the local publisher's QoS 1 window (--window)
+PUBLISHERS = 4  # publisher processes in the throughput scenario (--publishers)
 
 
 def free_port() -> int:
@@ -352,9 +358,11 @@ def upstream(work: Path) -> Iterator[int]:
         proc.wait(10)
 
 
-def publish(port: int, n: int, start: int = 0, timeout: float = 600.0) -> float:
+def publish(
+    port: int, n: int, start: int = 0, timeout: float = 600.0, client_id: str = "bench-pub"
+) -> float:
     """n QoS 1 messages (payload: their number), window 64; seconds taken."""
-    pub = Client(port, "bench-pub")
+    pub = Client(port, client_id)
     pub.connect(keepalive=60)
     t0 = time.monotonic()
     items = ((f"sensors/s{i % 10}", f"{i}:".encode() + PAYLOAD) for i in range(start, start + n))
@@ -362,6 +370,38 @@ def publish(port: int, n: int, start: int = 0, timeout: float = 600.0) -> float:
     took = time.monotonic() - t0
     pub.disconnect()
     return took
+
+
+def _publisher(port: int, n: int, start: int, k: int) -> None:
+    publish(port, n, start, client_id=f"bench-pub-{k}")
+
+
+def publish_procs(port: int, n: int, start: int, procs: int) -> tuple[float, float]:
+    """n messages from `procs` publisher processes (contiguous shares of the
+    numbers); (seconds, CPU seconds the publishers used)."""
+    ctx = multiprocessing.get_context("fork")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    share = -(-n // procs)
+    jobs = []
+    t0 = time.monotonic()
+    for k in range(procs):
+        lo = start + k * share
+        cnt = min(share, start + n - lo)
+        if cnt > 0:
+            jobs.append(ctx.Process(target=_publisher, args=(port, cnt, lo, k)))
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join(600)
+        if j.exitcode is None:
+            j.kill()  # bounded: a publisher that hangs is ended (it is ours)
+            j.join(5)
+    took = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if any(j.exitcode != 0 for j in jobs):
+        raise RuntimeError("a publisher process failed")
+    return took, cpu
 
 
 def sys_value(port: int, topic: str) -> float | None:
@@ -390,11 +430,17 @@ def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> di
                 # -- throughput, upstream up
                 col.expect(0, n_tp)
                 t0 = time.monotonic()
-                publish(ep.port, n_tp)
+                me0 = time.process_time()
+                _took, pub_cpu = publish_procs(ep.port, n_tp, 0, PUBLISHERS)
                 ok = col.wait(n_tp, 120)
                 # from the first local PUBLISH to the last arrival upstream
-                out["throughput_msg_s"] = n_tp / max(1e-9, col.last - t0) if ok else None
+                wall = max(1e-9, col.last - t0)
+                out["throughput_msg_s"] = n_tp / wall if ok else None
                 out["throughput_lost"] = col.lost()
+                # the load generator's CPU, in % of one core: near 100% per
+                # publisher would mean the publishers, not the edge, set the rate
+                out["publishers_cpu_pct"] = round(100 * pub_cpu / wall / PUBLISHERS)
+                out["bench_process_cpu_pct"] = round(100 * (time.process_time() - me0) / wall)
                 # -- drain of a backlog
                 gate.close_gate()
                 time.sleep(1.0)
@@ -448,14 +494,16 @@ def table(rows: list[dict[str, Any]], sizes: dict[str, int]) -> str:
         return f"{v:,}"
 
     head = (
-        "| edge broker | forwarding QoS 1 (msg/s) | drain {d:,} (s) | drain (msg/s) | "
+        "| edge broker | forwarding QoS 1 (msg/s) | lost | publishers' CPU (% of a core each) | "
+        "drain {d:,} (s) | drain (msg/s) | "
         "lost in drain | lost after SIGKILL mid-drain ({k:,}) | duplicates | "
         "heap B/queued msg | flash B/queued msg |".format(d=sizes["drain"], k=sizes["kill"])
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['edge']} | {f(r.get('throughput_msg_s'))} | {f(r.get('drain_s'), 2)} | "
+            f"| {r['edge']} | {f(r.get('throughput_msg_s'))} | {f(r.get('throughput_lost'))} | "
+            f"{f(r.get('publishers_cpu_pct'))} | {f(r.get('drain_s'), 2)} | "
             f"{f(r.get('drain_msg_s'))} | {f(r.get('drain_lost'))} | "
             f"{f(r.get('power_cut_lost'))} | {f(r.get('power_cut_duplicates'))} | "
             f"{f(r.get('heap_bytes_per_msg'), 2)} | {f(r.get('flash_bytes_per_msg'), 1)} |"
@@ -469,9 +517,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     ap.add_argument("--only", default="", help="comma-separated edge kinds to run")
     ap.add_argument("--window", type=int, default=64, help="local publisher's QoS 1 window")
+    ap.add_argument(
+        "--publishers", type=int, default=4, help="publisher processes for the throughput run"
+    )
     args = ap.parse_args(argv)
-    global WINDOW
+    global WINDOW, PUBLISHERS
     WINDOW = max(1, args.window)
+    PUBLISHERS = max(1, min(16, args.publishers))
     if not Path(MOSQUITTO).exists():
         print(f"bench_bridge: {MOSQUITTO} is missing (tools/setup.sh installs it)", file=sys.stderr)
         return 2
@@ -496,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, sizes))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        result = {"sizes": sizes, "window": WINDOW, "rows": rows}
+        result = {"sizes": sizes, "window": WINDOW, "publishers": PUBLISHERS, "rows": rows}
         args.json.write_text(json.dumps(result, indent=1))
     return 0
 

@@ -85,7 +85,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, cast
@@ -1183,7 +1184,6 @@ def _build(
     from edgebroker_tools.fleet import spark as fleet_spark
 
     done = last.files if last else {}
-    batches = last.batches if last else []
     rep.begin("list")
     inputs = list_inputs(spark, fs, snapshots)
     new = [f for f in inputs if done.get(f.rel) != f.key]
@@ -1195,6 +1195,50 @@ def _build(
         if total < SMALL_INPUT_BYTES:
             cores = spark.sparkContext.defaultParallelism
             spark.conf.set("spark.sql.shuffle.partitions", str(cores))
+    small = sum(f.size for f in inputs) < SMALL_INPUT_BYTES
+    before = _small_conf(spark) if small else {}
+    try:
+        return _build_inputs(spark, fs, opts, snapshots, out, last, build_id, rep, t0,
+                             inputs, new, result)  # fmt: skip
+    finally:
+        _restore(spark, before)
+
+
+def _small_conf(spark: SparkSession) -> dict[str, str | None]:
+    """A small input (the build's fixed costs dominate): expressions are
+    interpreted rather than compiled. Compiling the generated Java of each
+    of the build's plans costs seconds in a fresh JVM and saves nothing on a
+    few thousand rows. Returns the previous values for _restore()."""
+    wanted = {
+        "spark.sql.codegen.wholeStage": "false",
+        "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    }
+    from edgebroker_tools.fleet import spark as fleet_spark
+
+    wanted = {k: v for k, v in wanted.items() if not fleet_spark.user_set(spark, k)}
+    before = {k: spark.conf.get(k, None) for k in wanted}
+    for k, v in wanted.items():
+        spark.conf.set(k, v)
+    return before
+
+
+def _build_inputs(
+    spark: SparkSession,
+    fs: Hfs,
+    opts: Options,
+    snapshots: str,
+    out: str,
+    last: Commit | None,
+    build_id: str,
+    rep: _Reporter,
+    t0: float,
+    inputs: list[InputFile],
+    new: list[InputFile],
+    result: Result,
+) -> Result:
+    from edgebroker_tools.fleet import spark as fleet_spark
+
+    batches = last.batches if last else []
     tables = join(out, BUILDS, build_id)
     tick = time.monotonic()
     rep.begin("ingest")
@@ -1222,60 +1266,126 @@ def _build(
     base = load_base(spark, out, batches, new_rows, build_id)
     obs = base
     coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
-    probe = coll.agg(
-        F.max("collected_at"), F.max((F.col("_lo") != F.col("_hi")).cast("int"))
-    ).first()
-    if probe is not None and probe[1]:  # a collection in two files: keep one copy
-        obs = dedupe(base)
-        coll.unpersist()
-        coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
-    as_of = cast("datetime | None", probe[0] if probe else None)
-    result.as_of = as_of.astimezone(UTC).isoformat() if as_of else None
-    tick = result.step("collections", tick)
-    rep.begin("gateway_health")
-    gh = health(coll, opts.near).persist(StorageLevel.MEMORY_AND_DISK)
-    _gh, count = _write(gh, join(tables, "gateway_health"), "gateway_health")
-    result.rows["gateway_health"] = _rows(count)
+    # The tables that do not depend on each other are written at once, from
+    # threads of this driver (Spark runs jobs of one session concurrently):
+    # on a small fleet each write is mostly fixed driver-side cost (planning,
+    # task launch, the commit protocol) that overlaps; on a large one they
+    # share the cores. The fault checkpoints stay in order, each after the
+    # writes it names have finished.
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fleet-write")
+    try:
+        try:
+            return _tables(spark, fs, opts, snapshots, out, last, build_id, rep, t0, result,
+                           obs, coll, False, new, new_rows, tables, tick, pool)  # fmt: skip
+        except _DuplicateCollectionsError:
+            # a collection in two files (a file copied or changed and ingested
+            # again): keep one copy and write the tables again
+            coll.unpersist()
+            obs = dedupe(base)
+            coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
+            return _tables(spark, fs, opts, snapshots, out, last, build_id, rep, t0, result,
+                           obs, coll, True, new, new_rows, tables, tick, pool)  # fmt: skip
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _DuplicateCollectionsError(Exception):
+    """gateway_health saw a collection in two files: dedupe and write again."""
+
+
+def _tables(
+    spark: SparkSession,
+    fs: Hfs,
+    opts: Options,
+    snapshots: str,
+    out: str,
+    last: Commit | None,
+    build_id: str,
+    rep: _Reporter,
+    t0: float,
+    result: Result,
+    obs: DataFrame,
+    coll: DataFrame,
+    deduped: bool,
+    new: list[InputFile],
+    new_rows: DataFrame | None,
+    tables: str,
+    tick: float,
+    pool: ThreadPoolExecutor,
+) -> Result:
+    def write(df: DataFrame, name: str) -> Future[int]:
+        def run() -> int:
+            _obs, count = _write(df, join(tables, name), name)
+            return _rows(count)
+
+        return pool.submit(run)
+
+    def then(fut: Future[int], name: str) -> None:
+        result.rows[name] = fut.result()
+        rep.say(f"{name}: {result.rows[name]:,} rows")
+
+    done = last.files if last else {}
+    batches = last.batches if last else []
+    rep.begin("gateway_health, topic_history")
+    # as_of and the duplicate check are observed while gateway_health is
+    # written (no separate pass over the collections)
+    probe = Observation("collections")
+    checked = coll.observe(
+        probe,
+        F.max("collected_at").alias("as_of"),
+        F.max((F.col("_lo") != F.col("_hi")).cast("int")).alias("dup"),
+    )
+    gh = health(checked, opts.near).persist(StorageLevel.MEMORY_AND_DISK)
+    gh_f = write(gh, "gateway_health")
+    hist_f = write(history(obs, coll).select(*HISTORY_COLUMNS), "topic_history")
     log_uri = join(snapshots, COLLECT_LOG)
     log = (
         spark.read.schema(COLLECT_LOG_STRUCT).json(log_uri)
         if fs.exists(log_uri)
         else spark.createDataFrame([], COLLECT_LOG_STRUCT)
     )
-    _c, count = _write(
-        collect_status(log).coalesce(1), join(tables, "collect_status"), "collect_status"
-    )
-    result.rows["collect_status"] = _rows(count)
+    status_f = write(collect_status(log).coalesce(1), "collect_status")
+    # limits advice needs only gateway_health (in memory): aggregated while
+    # topic_history is written
+    stats: Future[list[dict[str, Any]]] = pool.submit(_after, gh_f, lambda: advice_stats(gh))
+    then(gh_f, "gateway_health")
+    seen = probe.get
+    if seen.get("dup") and not deduped:
+        for f in (hist_f, status_f, stats):
+            f.exception()  # finished, whatever it did: the tables are written again
+        gh.unpersist()
+        fs.delete(tables)
+        raise _DuplicateCollectionsError
+    as_of = cast("datetime | None", seen.get("as_of"))
+    result.as_of = as_of.astimezone(UTC).isoformat() if as_of else None
+    then(status_f, "collect_status")
     tick = result.step("gateway_health", tick)
-    rep.say(f"gateway_health: {result.rows['gateway_health']:,} rows")
     checkpoint("gateway_health")
-    rep.begin("topic_history")
-    _h, count = _write(
-        history(obs, coll).select(*HISTORY_COLUMNS), join(tables, "topic_history"), "topic_history"
-    )
-    result.rows["topic_history"] = _rows(count)
+    then(hist_f, "topic_history")
     tick = result.step("topic_history", tick)
-    rep.say(f"topic_history: {result.rows['topic_history']:,} rows")
     checkpoint("topic_history")
-    rep.begin("fleet_state")
+    rep.begin("fleet_state, limits_advice")
     # fleet_state is topic_history's latest segments: read back (column pruning and
     # one filter) rather than computing the windows again or caching every segment
     hist = spark.read.parquet(join(tables, "topic_history"))
     state = fleet_state(hist, coll, as_of or datetime.now(UTC), opts.stale_after)
-    _s, count = _write(state, join(tables, "fleet_state"), "fleet_state")
-    result.rows["fleet_state"] = _rows(count)
-    tick = result.step("fleet_state", tick)
-    rep.say(f"fleet_state: {result.rows['fleet_state']:,} rows")
-    checkpoint("fleet_state")
-    rep.begin("limits_advice")
+    state_f = write(state, "fleet_state")
     advice, patches = advise(
-        advice_stats(gh), opts.headroom, opts.boards, opts.min_gateways, opts.min_collections
+        stats.result(), opts.headroom, opts.boards, opts.min_gateways, opts.min_collections
     )  # fmt: skip
+    advice_f = pool.submit(
+        lambda: (
+            spark.createDataFrame(advice, ADVICE_STRUCT)
+            .coalesce(1)
+            .write.parquet(join(tables, "limits_advice"))
+        )
+    )
+    then(state_f, "fleet_state")
+    tick = result.step("fleet_state", tick)
+    checkpoint("fleet_state")
+    advice_f.result()
     coll.unpersist()
     gh.unpersist()
-    spark.createDataFrame(advice, ADVICE_STRUCT).coalesce(1).write.parquet(
-        join(tables, "limits_advice")
-    )
     result.rows["limits_advice"] = len(advice)
     checkpoint("limits_advice")
     for board, patch in patches.items():
@@ -1313,6 +1423,12 @@ def _build(
     result.seconds = round(time.monotonic() - t0, 3)
     rep.say(f"committed {commit_name(seq)} ({result.seconds:.1f} s)")
     return result
+
+
+def _after(first: Future[Any], then: Callable[[], Any]) -> Any:
+    """then(), once first has finished (its result is wanted first)."""
+    first.result()
+    return then()
 
 
 def _json_bytes(data: Any) -> bytes:
