@@ -421,7 +421,7 @@ class Queue:
             if not self.drop_oldest or n > self.budget:
                 self.drops += 1
                 return False
-            while self.count and self.nbytes + n > self.budget:
+            while self.cursor < self.end and self.nbytes + n > self.budget:
                 self._drop_first()
         self.wb.extend(rec)
         self.count += 1
@@ -574,6 +574,9 @@ _I_ACK = const(3)  # 0 sent, 1 acknowledged, 2 PUBREC came (QoS 2: PUBREL sent)
 _I_N = const(4)  # messages it accounts for (itself + skipped ones before it)
 _I_QOS = const(5)
 _I_SEQ = const(6)
+_I_LIVE = const(7)  # 1: sent by the live lane
+
+_BMAP = const(256)  # bytes of the slow-lane topic bitmap (2,048 bits)
 
 
 class _Down(Exception):
@@ -617,6 +620,23 @@ class Bridge:
         self.sendpos = self.q.cursor
         self.hiwater = self.q.end  # records before it may have been sent: DUP
         self.skipn = 0  # messages skipped since the last in-flight entry
+        # Two lanes (see _fill): the slow lane is the file in order; while a
+        # backlog is paced by replay_rate, the live lane sends the messages
+        # queued since the connect whose topic has nothing in the slow lane.
+        self.sfront = self.q.cursor  # slow lane: acknowledged up to here
+        self.lstart = 0  # queued before this connect (paced) below it
+        self.split = False  # the live lane runs
+        self.sstart = 0  # where the split began: lanes by topic from here
+        self.lpos = 0  # live lane: next record to look at
+        self.lfront = 0  # live lane: its messages acknowledged up to here
+        self.linf = []  # live lane in-flight entries, send order
+        self.lskipn = 0
+        # topics (CRC-32 bit) with a message in the slow lane: set while no
+        # split runs, frozen during one, cleared when nothing is queued. A
+        # shared bit only sends a message the slow way (never out of order).
+        self.bmap = bytearray(_BMAP)
+        self.bset = False
+        self.lsent = 0  # messages the live lane sent (status)
         self.window = c["max_inflight"]
         self.in2 = {}  # inbound QoS 2 packet ids waiting for PUBREL
         self.inbound = False  # publishing an upstream message locally
@@ -688,6 +708,8 @@ class Bridge:
             return False
         tb = rt.encode()
         pos = self.q.end
+        if not self.split:
+            self._mark(tb)
         if r["mode"] == "latest":
             flags |= F_LATEST
         if not self.q.append(qos, flags, exp, eb._wallclock() or 0, tb, msg[4], msg[2]):
@@ -712,7 +734,12 @@ class Bridge:
         # compaction moved every offset down by delta
         self.sendpos -= delta
         self.hiwater = max(0, self.hiwater - delta)
-        for e in self.inflight:
+        self.sfront = max(_HDR, self.sfront - delta)
+        self.lstart = max(0, self.lstart - delta)
+        self.sstart = max(0, self.sstart - delta)
+        self.lpos = max(_HDR, self.lpos - delta)
+        self.lfront = max(_HDR, self.lfront - delta)
+        for e in self.inflight + self.linf:
             e[_I_OFF] -= delta
             e[_I_END] -= delta
         lx = self.latest
@@ -757,8 +784,10 @@ class Bridge:
                 break
             if rt == T_MSG:
                 m = decode_msg(body)
-                if m is not None and m[1] & F_LATEST:
-                    self._latest_at(m[4], pos)
+                if m is not None:
+                    self._mark(m[4])  # the backlog's topics: slow lane
+                    if m[1] & F_LATEST:
+                        self._latest_at(m[4], pos)
             pos = nxt
 
     def _initial_sync(self):
@@ -811,47 +840,96 @@ class Bridge:
                 self.next_pid = p
                 return p
 
+    def _mark(self, tb):
+        h = _crc32(tb) & 2047
+        self.bmap[h >> 3] |= 1 << (h & 7)
+        self.bset = True
+
+    def _slow(self, tb):
+        h = _crc32(tb) & 2047
+        return self.bmap[h >> 3] & (1 << (h & 7))
+
     def _fill(self, now):
-        """Sends queue records from sendpos while the window has room and
-        the replay rate allows: in file order, so per-topic order holds."""
+        """Sends queue records while the window has room. Per-topic order
+        holds: the slow lane sends the file in order; the live lane (only
+        while a split runs) sends the messages queued since the split began
+        whose topic has no bit in bmap, i.e. nothing waiting in the slow
+        lane. replay_rate paces what was queued before this connect (the
+        backlog), so that live messages are not starved behind it."""
         q = self.q
         rate = self.c["replay_rate"]
         if rate:
             self.tokens = min(rate, self.tokens + (now - self.t_rate) * rate)
             self.t_rate = now
-        if self.sendpos < q.cursor:
-            self.sendpos = q.cursor
+        c = q.cursor
+        if self.sendpos < c:
+            self.sendpos = c  # drop_oldest moved the cursor
+        if self.sfront < c:
+            self.sfront = c
+        if self.split:
+            if self.lpos < c:
+                self.lpos = c
+            if self.lfront < c:
+                self.lfront = c
+            self.lpos = self._lane(True, self.lpos, rate)
+        self.sendpos = self._lane(False, self.sendpos, rate)
+        if (
+            self.bset
+            and not self.inflight
+            and not self.linf
+            and self.sendpos >= q.end
+            and (not self.split or self.lpos >= q.end)
+        ):
+            # nothing queued, nothing in flight: every topic is free again
+            if self.split:
+                self.split = False
+                self.sendpos = self.sfront = max(self.sendpos, self.lpos)
+                q.advance(self.sfront, 0)
+            self.bmap = bytearray(_BMAP)
+            self.bset = False
+
+    def _lane(self, live, pos, rate):
+        # one lane's records from pos; returns where it stopped
+        q = self.q
+        inf = self.linf if live else self.inflight
+        split = self.split
         wall = None
-        while len(self.inflight) < self.window and self.sendpos < q.fend:
-            if rate and self.tokens < 1:
-                return
+        while len(self.inflight) + len(self.linf) < self.window and pos < q.fend:
+            paced = rate and pos < self.lstart
+            if paced and self.tokens < 1:
+                break
             if len(self.out) > 65536:
-                return  # the socket is behind: fill again when it drains
-            pos = self.sendpos
-            rt, body, nxt = q.read(pos)
+                break  # the socket is behind: fill again when it drains
+            at = pos
+            rt, body, nxt = q.read(at)
             if rt is None:
-                self.sendpos = q.fend  # unreadable: nothing more to send
-                return
-            self.sendpos = nxt
+                pos = q.fend  # unreadable: nothing more to send
+                break
+            pos = nxt
             if rt != T_MSG:
                 continue
-            m = decode_msg(body) if rt == T_MSG else None
+            m = decode_msg(body)
             if m is None:
-                self.skipn += 1
+                self._skip(live, inf)
                 continue
             qos, flags, exp, w, tb, props, payload, seq = m
+            if split and (live or at >= self.sstart) and live != (not self._slow(tb)):
+                # the other lane's message (it counts it); with nothing in
+                # flight here, this lane's front passes it
+                if not inf:
+                    if live:
+                        self.lfront = pos
+                    else:
+                        self.sfront = pos
+                continue
             if len(tb) + len(props) + len(payload) + 16 > self.upmax:
                 # MQTT-3.1.2-24: never sent (it would end the link for good)
                 self.toolarge += 1
-                self.skipn += 1
-                if not self.inflight:
-                    self._ack_upto()
+                self._skip(live, inf, pos)
                 continue
-            if flags & F_LATEST and self._superseded(tb, pos):
+            if flags & F_LATEST and self._superseded(tb, at):
                 self.lskip += 1
-                self.skipn += 1
-                if not self.inflight:
-                    self._ack_upto()
+                self._skip(live, inf, pos)
                 continue
             if flags & F_EXP:
                 if wall is None:
@@ -859,19 +937,22 @@ class Bridge:
                 if w and wall:
                     exp -= wall - w  # its lifetime went on while queued
                 if exp <= 0:
-                    self.skipn += 1  # expired in the queue: never sent
-                    if not self.inflight:
-                        self._ack_upto()
+                    self._skip(live, inf, pos)  # expired in the queue: never sent
                     continue
             else:
                 exp = -1
             pid = seq % _PIDS + 1
             if pid in self.pids:
-                self.sendpos = pos  # its id is still in flight: wait for the ack
-                return
-            e = [pid, pos, nxt, 0, self.skipn + 1, qos, seq]
-            self.skipn = 0
-            self.inflight.append(e)
+                pos = at  # its id is still in flight: wait for the ack
+                break
+            if live:
+                e = [pid, at, nxt, 0, self.lskipn + 1, qos, seq, 1]
+                self.lskipn = 0
+                self.lsent += 1
+            else:
+                e = [pid, at, nxt, 0, self.skipn + 1, qos, seq, 0]
+                self.skipn = 0
+            inf.append(e)
             self.pids[pid] = e
             if qos == 2 and seq in q.rel:
                 # PUBREC came before a restart: only PUBREL is left (4.3.3)
@@ -879,16 +960,46 @@ class Bridge:
                 self.out += b"\x62\x02" + eb.u16(pid)
             else:
                 self._publish(
-                    tb, qos, flags & F_RETAIN, pid, props, exp, payload, pos < self.hiwater
+                    tb, qos, flags & F_RETAIN, pid, props, exp, payload, at < self.hiwater
                 )
-            if rate:
+            if paced:
                 self.tokens -= 1
+        return pos
 
-    def _ack_upto(self):
-        # nothing in flight: the cursor follows sendpos (skipped records)
-        if self.skipn:
-            self.q.advance(self.sendpos, self.skipn)
+    def _skip(self, live, inf, pos=0):
+        # a message of this lane that is never sent: counted as done with
+        # the next entry, or now when nothing is in flight
+        if live:
+            self.lskipn += 1
+        else:
+            self.skipn += 1
+        if not inf and pos:
+            self._ack_upto(live, pos)
+
+    def _ack_upto(self, live, pos):
+        # nothing in flight in this lane: its front follows its position
+        if live:
+            n = self.lskipn
+            self.lskipn = 0
+            self.lfront = pos
+        else:
+            n = self.skipn
             self.skipn = 0
+            self.sfront = pos
+        if n:
+            self._cur(n)
+
+    def _cur(self, n):
+        # n messages done; the cursor is the lower lane front
+        f = self.sfront
+        if not self.split:
+            self.q.advance(f, n)
+            return
+        if self.lfront < f:
+            f = self.lfront
+        q = self.q
+        q.count = max(0, q.count - n)
+        q.advance(f, 0)
 
     def _acked(self, pid, comp):
         e = self.pids.get(pid)
@@ -907,7 +1018,8 @@ class Bridge:
             self.q.rel.pop(e[_I_SEQ], None)
         e[_I_ACK] = 1
         self.acked += 1
-        inf = self.inflight
+        live = e[_I_LIVE] if len(e) > _I_LIVE else 0
+        inf = self.linf if live else self.inflight
         n = 0
         end = 0
         while inf and inf[0][_I_ACK] == 1:
@@ -915,11 +1027,21 @@ class Bridge:
             n += x[_I_N]
             end = x[_I_END]
         if n:
-            if not inf and self.skipn and self.sendpos > end:
-                end = self.sendpos
-                n += self.skipn
-                self.skipn = 0
-            self.q.advance(end, n)
+            pos = self.lpos if live else self.sendpos
+            if not inf and pos > end:
+                # the lane's skipped messages after it are done too
+                end = pos
+                if live:
+                    n += self.lskipn
+                    self.lskipn = 0
+                else:
+                    n += self.skipn
+                    self.skipn = 0
+            if live:
+                self.lfront = end
+            else:
+                self.sfront = end
+            self._cur(n)
 
     # ------------------------------------------------------------- the link
     def status_topic(self):
@@ -1104,7 +1226,7 @@ class Bridge:
         if sp:
             # MQTT-4.4.0-1: resend what is in flight with the same packet
             # identifiers (PUBREL for QoS 2 past PUBREC): exactly once
-            for e in self.inflight:
+            for e in self.inflight + self.linf:
                 if e[_I_ACK] == 2:
                     self.out += b"\x62\x02" + eb.u16(e[_I_PID])
                 elif e[_I_ACK] == 0:
@@ -1126,6 +1248,15 @@ class Bridge:
             self.out += eb.packet(8, 2, eb.u16(self._pid_status()) + p + bytes(subs))
         self.t_rate = clock()
         self.tokens = 1.0
+        q = self.q
+        self.lstart = q.end  # queued before this connect: paced by replay_rate
+        if self.c["replay_rate"] and not self.split and self.sendpos < q.end:
+            # a backlog to pace: messages queued from now on whose topic
+            # has nothing in it go by the live lane
+            self.split = True
+            self.sstart = self.lpos = self.lfront = q.end
+            self.linf = []
+            self.lskipn = 0
         self._state()
 
     def _pid_status(self):
@@ -1136,11 +1267,19 @@ class Bridge:
 
     def _restart(self):
         # a new upstream session: everything from the cursor goes again
-        self.hiwater = max(self.hiwater, self.sendpos)
+        self.hiwater = max(self.hiwater, self.sendpos, self.lpos)
         self.inflight = []
         self.pids = {}
         self.skipn = 0
-        self.sendpos = self.q.cursor
+        self.sendpos = self.sfront = self.q.cursor
+        if self.split:
+            # the live lane's topics are not in bmap: every topic goes the
+            # slow way (in file order) until the queue is empty again
+            self.split = False
+            self.linf = []
+            self.lskipn = 0
+            self.bmap = bytearray(b"\xff" * _BMAP)
+            self.bset = True
 
     def _resend(self, e):
         rt, body, nxt = self.q.read(e[_I_OFF])
@@ -1429,7 +1568,7 @@ class Bridge:
         except OSError:
             pass
         if was:
-            self.hiwater = max(self.hiwater, self.sendpos)
+            self.hiwater = max(self.hiwater, self.sendpos, self.lpos)
             self.log("info", "disconnected: %s", self.err or "-")
 
     # ------------------------------------------------------------- status
@@ -1467,6 +1606,8 @@ class Bridge:
             "too_large": self.toolarge,
             "sent": self.sent,
             "acked": self.acked,
+            "live_sent": self.lsent,
+            "pacing": self.split,
             "last_error": self.err,
         }
         return self.eng.make_msg(
