@@ -322,6 +322,7 @@ class Queue:
         self.created = False  # a new file (no earlier state to resume)
         self.rb = None  # read-ahead: bytes of the file from rb_off
         self.rb_off = 0
+        self.rb_ok = False  # rb is what this process wrote (no CRC check)
         self.seq = 0  # the next message's number
         self.rel = {}  # seqs of QoS 2 messages past PUBREC ("R" records)
         self._open()
@@ -459,7 +460,8 @@ class Queue:
             if end <= len(rb):
                 body = memoryview(rb)[i + 5 : i + 5 + blen]
                 if (
-                    _crc32(body, _crc32(memoryview(rb)[i : i + 5])) & _U32
+                    not self.rb_ok
+                    and _crc32(body, _crc32(memoryview(rb)[i : i + 5])) & _U32
                     != unpack_from(">I", rb, i + 5 + blen)[0]
                 ):
                     return -1, None, pos + 9 + blen
@@ -472,6 +474,7 @@ class Queue:
             f.seek(pos)
             self.rb = f.read(n)
             self.rb_off = pos
+            self.rb_ok = False
             blen = unpack_from(">I", self.rb, 1)[0]
             if 9 + blen <= len(self.rb):
                 return self.read(pos)
@@ -505,6 +508,12 @@ class Queue:
             _sync(f)
         else:
             f.flush()
+        if n <= 2 * _RA:
+            # what was just written is what the link sends next: keep it as
+            # the read-ahead (trusted: it never left RAM, no CRC to check)
+            self.rb = self.wb
+            self.rb_off = self.fend
+            self.rb_ok = True
         self.fend += n
         self.wb = bytearray()
         dead = self.cursor - _HDR - 17
@@ -1429,6 +1438,11 @@ class Bridge:
                     for pid in self.relq:
                         self.out += b"\x62\x02" + eb.u16(pid)
                     self.relq = []
+                if self.up:
+                    # acknowledgements opened the window: refill it now
+                    # rather than one scheduling round later in _serve
+                    self._fill(clock())
+                    self._flush()
                 self._kick()
         except Exception as e:
             self.rerr = e

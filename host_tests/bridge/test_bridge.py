@@ -490,8 +490,9 @@ def test_live_messages_are_not_starved_behind_a_paced_backlog(broker_factory, up
         # exactly once through the cut (persistent upstream session, PUBREC records)
         ups = [(t, p) for t, p, *_ in got]
         assert len(ups) == len(set(ups)), "duplicates: %d" % (len(ups) - len(set(ups)))
+    # the lanes join again once nothing is queued (at the link's next turn)
     assert wait_for(lambda: bridge_state(gw.port)["backlog"] == 0, 10)
-    assert bridge_state(gw.port)["pacing"] is False
+    assert wait_for(lambda: bridge_state(gw.port)["pacing"] is False, 5), bridge_state(gw.port)
 
 
 @ASYNC
