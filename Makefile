@@ -42,8 +42,8 @@ pipeline: venv  ## fleet pipeline on synthetic data: synth (small) -> build (wit
 	&& $(VENV)/bin/edgebroker fleet report build/pipeline/warehouse \
 	&& echo "make pipeline: $$(( $$(date +%s) - start )) s in all"
 
-measure-memory: venv  ## heap costs under the MicroPython unix port -> boards/memory_costs.json
-	$(VENV)/bin/python -m edgebroker_tools.measure
+measure-memory: venv  ## heap costs under the MicroPython unix port, then 32-bit ratios under Node's WebAssembly MicroPython -> boards/memory_costs.json
+	$(VENV)/bin/python -m edgebroker_tools.measure && $(VENV)/bin/python -m edgebroker_tools.measure32
 
 board-reference: venv  ## docs/board-reference.md from boards/schema.json (a test checks it)
 	$(VENV)/bin/edgebroker config reference

@@ -17,6 +17,10 @@
 #      otherwise the script says what to install and fails.
 #   4. chromium (headless) for the fleet report's rendering test: as root
 #      with apt-get when missing; otherwise the script says what to install.
+#   5. Node.js >= 18 and npm (as root with apt-get when missing), then the
+#      pinned npm MicroPython WebAssembly port in tools/wasm (npm ci, again
+#      when tools/wasm/package-lock.json changes): the 32-bit memory costs
+#      (edgebroker_tools.measure32, host_tests/tools/test_memory_costs_fresh.py).
 #
 # Environment: PYTHON (default python3) picks the interpreter for a new .venv.
 set -o errexit -o pipefail -o nounset
@@ -226,11 +230,47 @@ then rerun make venv. (Run as root, this script installs it itself.)"
     have_chromium || die "chromium still missing after apt-get install"
 }
 
+# --- 5. Node.js and the npm MicroPython (32-bit memory costs) -------------------
+
+NODE_MIN=18
+WASM_DIR="$ROOT/tools/wasm"
+
+node_major() {
+    command -v node >/dev/null 2>&1 || return 0
+    node --version 2>/dev/null | sed -n 's/^v\([0-9][0-9]*\).*/\1/p'
+}
+
+setup_node() {
+    local major
+    major="$(node_major)"
+    if [ -z "$major" ] || [ "$major" -lt "$NODE_MIN" ] || ! command -v npm >/dev/null 2>&1; then
+        if ! is_root; then
+            die "the 32-bit memory costs run MicroPython's WebAssembly port under Node.js >= $NODE_MIN with npm (found ${major:+Node $major}${major:-no Node}). Install with:
+    sudo apt-get install -y nodejs npm
+then rerun make venv. (Run as root, this script installs it itself.)"
+        fi
+        have_apt || die "Node.js >= $NODE_MIN and npm are missing and there is no apt-get here: install them with this system's package manager"
+        say "installing nodejs and npm with apt-get (the 32-bit memory costs)"
+        apt_install nodejs npm
+        major="$(node_major)"
+        [ -n "$major" ] && [ "$major" -ge "$NODE_MIN" ] || die "Node.js is ${major:-missing} after apt-get install nodejs: version $NODE_MIN or newer is needed"
+    fi
+    # the pinned npm package (tools/wasm/package-lock.json), again when the lock changed
+    local stamp="$WASM_DIR/node_modules/.edgebroker-lock"
+    if [ ! -f "$stamp" ] || ! cmp -s "$WASM_DIR/package-lock.json" "$stamp"; then
+        say "installing the npm MicroPython (tools/wasm, npm ci)"
+        (cd "$WASM_DIR" && npm ci --no-audit --no-fund --loglevel=error) \
+            || die "npm ci in tools/wasm failed (the registry must be reachable once)"
+        cp "$WASM_DIR/package-lock.json" "$stamp"
+    fi
+}
+
 main() {
     setup_venv
     setup_mosquitto
     setup_java
     setup_chromium
+    setup_node
 }
 
 # Sourcing the file (e.g. to test one function) defines the functions only.

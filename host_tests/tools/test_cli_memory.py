@@ -91,7 +91,7 @@ def test_cli_run_rejects_bad_input(tmp_path):
 
 
 def test_refused_when_full_then_accepts_again(broker_factory, interp, tmp_path):
-    """MicroPython: -X heapsize=136k and a heap_reserve the broker reaches
+    """MicroPython: -X heapsize=140k and a heap_reserve the broker reaches
     after a few connections: the next CONNECT gets 0x97 (5.0) / rc 3 (3.1.1),
     the broker stays up and serves the connected clients, and accepts again
     once they leave. CPython has no heap figure, so the same behaviour is
@@ -104,7 +104,7 @@ def test_refused_when_full_then_accepts_again(broker_factory, interp, tmp_path):
                                 str(out.parent / (mod + ".mpy")), str(REPO / "lib" / (mod + ".py"))],
                                capture_output=True, timeout=60)
             assert r.returncode == 0, r.stderr
-        b = broker_factory(heap="136k", script=str(out), heap_reserve=38000, max_clients=200,
+        b = broker_factory(heap="140k", script=str(out), heap_reserve=38000, max_clients=200,
                            io_chunk=1024, sys_interval=0)
     else:
         b = broker_factory(max_clients=12, sys_interval=0)

@@ -688,12 +688,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (MeasureError, MqttError, runner.RunnerError) as exc:
         print(f"measure: error: {exc}", file=sys.stderr)
         return 1
-    text = json.dumps(result, indent=2) + "\n"
     out: Path | None = args.out
-    if out is not None and str(out) == "-":
+    target = out if out is not None else runner.repo_root() / DEFAULT_OUT
+    if str(target) != "-" and target.is_file():
+        # the 32-bit figures are edgebroker_tools.measure32's: kept as they are
+        old = json.loads(target.read_text(encoding="utf-8"))
+        if "costs_32bit" in old:
+            result["costs_32bit"] = old["costs_32bit"]
+    text = json.dumps(result, indent=2) + "\n"
+    if str(target) == "-":
         sys.stdout.write(text)
         return 0
-    target = out if out is not None else runner.repo_root() / DEFAULT_OUT
     target.write_text(text, encoding="utf-8")
     print(f"measure: wrote {target}", file=sys.stderr)
     return 0

@@ -418,10 +418,14 @@ The worst case the broker can reach with the profile's counts, with live
 messages sized by typical_topic_bytes and typical_payload_bytes (the
 broker bounds how many messages it holds, not their size). Every cost is
 measured (boards/memory_costs.json, `make measure-memory`) on the 64-bit
-MicroPython unix port; for a board with word_bytes 4 every heap cost is
-scaled by 278.9/429.8 (x0.649, the object-size ratio measured on four
-32-bit builds; file sizes are not scaled). `edgebroker emulate` runs the
-64-bit port with heap_bytes scaled the other way (x1.54) and tests it.
+MicroPython unix port; for a board with word_bytes 4 each heap cost is
+scaled by the 32-bit/64-bit ratio of its kind, measured on the npm
+WebAssembly MicroPython (32-bit) and the unix port with the same
+in-process script (`costs_32bit`, edgebroker_tools.measure32: about x0.77
+for code, x0.5-0.6 for clients, subscriptions and messages, x1.0 for the
+disc_only index), or by 278.9/429.8 (x0.649) for a figure of no measured
+kind; file sizes are not scaled. `edgebroker emulate` runs the 64-bit port
+with heap_bytes scaled the other way (x1.54) and tests it.
 
     message   = message_overhead + typical_payload_bytes + 2 x typical_topic_bytes
                 (a queued or inflight QoS 1/2 message: the queue entry, the message
@@ -492,28 +496,76 @@ def _cost(costs: Mapping[str, Any], *path: str) -> int:
 
 
 #: Bytes a 32-bit MicroPython uses for what the 64-bit unix port uses one
-#: byte for: 278.9 B against 429.8 B per object, the same on four 32-bit
-#: builds (unix port, Cortex-M qemu, ESP32 v1.16, the npm WebAssembly port).
+#: byte for, on average: 278.9 B against 429.8 B per object, the same on four
+#: 32-bit builds (unix port, Cortex-M qemu, ESP32 v1.16, the npm WebAssembly
+#: port). Used for a figure of no measured kind (costs_32bit below).
 WORD4_PER_WORD8: Final = 278.9 / 429.8
 #: Cost entries that are file sizes, not heap: never scaled.
 _FILE_SIZES: Final = ("mpy_file_bytes", "image_bytes")
+#: Which measured 32-bit ratio (memory_costs.json "costs_32bit", made by
+#: edgebroker_tools.measure32 on the npm WebAssembly MicroPython) scales
+#: which 64-bit figure: code by its module's import ratio, each per-item
+#: figure by the same kind measured in process.
+_RATIO_OF: Final = {
+    "import_mpy.edgebroker": "import_mpy.edgebroker",
+    "import_mpy.edgestore": "import_mpy.edgestore",
+    "import_mpy.edgebridge": "import_mpy.edgebridge",
+    "import_py.edgebroker": "import_mpy.edgebroker",
+    "import_py.edgestore": "import_mpy.edgestore",
+    "import_romfs.edgebroker": "import_mpy.edgebroker",
+    "import_romfs.edgestore": "import_mpy.edgestore",
+    "min_heap_import_mpy.edgebroker": "import_mpy.edgebroker",
+    "min_heap_import_mpy.edgestore": "import_mpy.edgestore",
+    "min_heap_import_py.edgebroker": "import_mpy.edgebroker",
+    "min_heap_import_py.edgestore": "import_mpy.edgestore",
+    "import_mpy_firmware.gateway": "import_mpy.edgebroker",
+    "broker_idle": "engine_idle",
+    "per_connection": "per_connection",
+    "per_subscription": "per_subscription",
+    "per_offline_session": "per_offline_session",
+    "per_queued_message": "per_queued_message",
+    "per_queued_message_256": "per_queued_message",
+    "per_inflight_message": "per_inflight_message",
+    "message_overhead": "per_queued_message",
+    "retained.ram.per_message": "retained.ram.per_message",
+    "retained.ram.overhead": "retained.ram.per_message",
+    "retained.disc.per_message": "retained.ram.per_message",
+    "retained.disc.overhead": "retained.ram.per_message",
+    "retained.disc_only.per_message": "retained.disc_only.per_message",
+}
+
+
+def ratios_32(costs: Mapping[str, Any]) -> dict[str, float]:
+    """The measured 32-bit/64-bit ratio of each figure path that has one."""
+    figures = costs.get("costs_32bit", {}).get("figures", {})
+    out: dict[str, float] = {}
+    for path, kind in _RATIO_OF.items():
+        ratio = figures.get(kind, {}).get("ratio")
+        if isinstance(ratio, int | float) and ratio > 0:
+            out[path] = float(ratio)
+    return out
 
 
 def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The costs as a board with cfg's word_bytes pays them: the 64-bit
-    figures as measured for 8, scaled by WORD4_PER_WORD8 for 4."""
+    figures as measured for 8; for 4, each scaled by its kind's measured
+    32-bit ratio (ratios_32), else by WORD4_PER_WORD8."""
     if int(cfg.get("word_bytes", 4)) == 8:
         return costs
+    ratios = ratios_32(costs)
 
-    def scale(node: Any, key: str) -> Any:
+    def scale(node: Any, path: str) -> Any:
         if isinstance(node, dict):
-            return {k: (v if k in _FILE_SIZES else scale(v, k)) for k, v in node.items()}
+            return {
+                k: (v if k in _FILE_SIZES else scale(v, f"{path}.{k}" if path else k))
+                for k, v in node.items()
+            }
         if isinstance(node, int) and not isinstance(node, bool):
-            return round(node * WORD4_PER_WORD8)
+            return round(node * ratios.get(path, WORD4_PER_WORD8))
         return node
 
     out = dict(costs)
-    out["costs"] = scale(costs["costs"], "costs")
+    out["costs"] = scale(costs["costs"], "")
     return out
 
 
