@@ -5,10 +5,12 @@
         print(format_bridge_report(report))      # or json.dumps(report)
         damaged = bool(bridge_problems(report))  # `store check`
 
-The report is lib/edgebridge.py's own inspect() (the decisions the bridge
-makes when it opens its queue): cursor, backlog messages and bytes, the
-first queued messages, dead bytes before the cursor, torn tail, corrupt
-records, QoS 2 messages past PUBREC. The file is never changed.
+The report reads the file with lib/edgebridge.py's own record reader
+(read_record, decode_msg) and makes the decisions the bridge's Queue makes
+when it opens the file: cursor, backlog messages and bytes, the first
+queued messages, dead bytes before the cursor, torn tail, corrupt records,
+QoS 2 messages past PUBREC. The file is never changed. It lives here, not
+in lib/, so that the board does not carry it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from struct import unpack_from
 from types import ModuleType
 from typing import Any, Final, cast
 
@@ -49,14 +52,123 @@ def load_edgebridge() -> ModuleType:
 
 
 def read_bridge_report(path: Path, limit: int = 20) -> Report:
-    """edgebridge.inspect() of a queue file, or a CommandError."""
+    """queue_report() of a queue file, or a CommandError."""
     if not path.is_file():
         raise CommandError(f"no such queue file: {path}")
     try:
-        report = load_edgebridge().inspect(str(path), limit)
+        return queue_report(load_edgebridge(), str(path), limit)
     except OSError as exc:
         raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return cast(Report, report)
+
+
+def queue_report(b: ModuleType, path: str, limit: int = 20) -> Report:
+    """A read-only report of a queue file: header, cursor, backlog (messages,
+    bytes, the first `limit`), dead bytes before the cursor, torn tail and
+    corrupt records, QoS 2 messages past PUBREC. b is lib/edgebridge.py."""
+    hdr = len(b.HEADER)
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        size = -1
+    rep: Report = {
+        "path": path,
+        "file_bytes": max(size, 0),
+        "kind": "missing",
+        "records": 0,
+        "by_type": {},
+        "cursor": hdr,
+        "next_seq": 0,
+        "backlog": 0,
+        "backlog_bytes": 0,
+        "dead_bytes": 0,
+        "torn_offset": None,
+        "torn_bytes": 0,
+        "corrupt": 0,
+        "corrupt_offsets": [],
+        "released": 0,
+        "first": [],
+    }
+    if size < 0:
+        return rep
+    cur = hdr
+    seq = 0
+    rel: set[int] = set()
+    with Path(path).open("rb") as f:
+        head = f.read(hdr)
+        if size < hdr:
+            rep["kind"] = "partial" if head == b.HEADER[:size] else "bad_magic"
+            return rep
+        if head[:4] != b.MAGIC:
+            rep["kind"] = "bad_magic"
+            return rep
+        if head[4] != b.VERSION:
+            rep["kind"] = "future_version" if head[4] > b.VERSION else "bad_version"
+            return rep
+        rep["kind"] = "ok"
+        by = cast(dict[str, int], rep["by_type"])
+        pos = hdr
+        while pos < size:
+            rt, body, nxt = b.read_record(f, pos, size)
+            if rt is None:
+                rep["torn_offset"] = pos
+                rep["torn_bytes"] = size - pos
+                break
+            rep["records"] += 1
+            if rt == -1:
+                rep["corrupt"] += 1
+                rep["corrupt_offsets"].append(pos)
+                pos = nxt
+                continue
+            k = chr(rt) if 32 < rt < 127 else f"0x{rt:02x}"
+            by[k] = by.get(k, 0) + 1
+            if rt == b.T_CURSOR and len(body) == 8:
+                cur, s2 = unpack_from(">II", body, 0)
+                seq = max(seq, s2)
+            elif rt == b.T_MSG and len(body) >= 4:
+                seq = max(seq, unpack_from(">I", body, 0)[0] + 1)
+            elif rt == b.T_REL and len(body) == 4:
+                rel.add(unpack_from(">I", body, 0)[0])
+            pos = nxt
+        # the backlog: from the cursor on
+        n = nb = 0
+        first: list[Report] = []
+        end = rep["torn_offset"] if rep["torn_offset"] is not None else size
+        p2 = cur
+        while p2 < end:
+            rt, body, nxt = b.read_record(f, p2, end)
+            if rt is None:
+                break
+            if rt == b.T_MSG:
+                m = b.decode_msg(body)
+                if m is not None:
+                    n += 1
+                    nb += nxt - p2
+                    if len(first) < limit:
+                        first.append(
+                            {
+                                "offset": p2,
+                                "seq": m[7],
+                                "qos": m[0],
+                                "retain": bool(m[1] & b.F_RETAIN),
+                                "latest": bool(m[1] & b.F_LATEST),
+                                "topic": str(m[4], "utf-8"),
+                                "payload_bytes": len(m[6]),
+                                "props_bytes": len(m[5]),
+                                "wall": m[3] or None,
+                                "released": m[7] in rel,
+                            }
+                        )
+            p2 = nxt
+    rep.update(
+        cursor=cur,
+        next_seq=seq,
+        backlog=n,
+        backlog_bytes=nb,
+        dead_bytes=cur - hdr,
+        released=len(rel),
+        first=first,
+    )
+    return rep
 
 
 def bridge_problems(report: Report) -> list[str]:
