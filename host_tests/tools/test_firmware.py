@@ -470,3 +470,29 @@ def test_no_app_file_runs_the_broker_alone(boards, dist, tmp_path):
     finally:
         pub.close()
     assert "app:" not in b.console()
+
+
+def test_manifest_freezes_every_board_module():
+    """Issue 12 item 2: firmware/freeze/manifest.py (FROZEN_MANIFEST for a firmware
+    build) names the port's manifest and every module the board imports,
+    with paths that exist. Read with stand-ins for the manifest functions
+    of MicroPython's tools/manifestfile.py."""
+    manifest = REPO / "firmware" / "freeze" / "manifest.py"
+    seen = []
+    includes = []
+
+    def module(path, base_path=".", opt=None):
+        seen.append((manifest.parent / base_path / path).resolve())
+
+    def include(path, **kw):
+        includes.append(path)
+
+    exec(compile(manifest.read_text(), str(manifest), "exec"),
+         {"module": module, "include": include, "package": None, "require": None})
+    assert includes == ["$(PORT_DIR)/boards/manifest.py"]
+    missing = [p for p in seen if not p.is_file()]
+    assert not missing, missing
+    names = {p.name for p in seen}
+    assert {p.name for p in (REPO / "lib").glob("*.py")} <= names
+    assert {"gateway.py", "userapp.py"} <= names
+    assert not {"boot.py", "main.py"} & names  # they stay on the filesystem
