@@ -4050,24 +4050,21 @@ def main(argv):
         else:
             _die("unknown option %s" % a)
         i += 2
-    profile = {}
-    if board is not None:
+
+    def read(path, what):
         try:
-            with open(board) as f:
-                profile = json.load(f)
+            with open(path) as f:
+                return json.load(f)
         except (OSError, ValueError) as e:
-            _die("cannot read board profile %s: %s" % (board, e))
+            _die("cannot read %s %s: %s" % (what, path, e))
+
+    profile = read(board, "board profile") if board is not None else {}
     for kv in sets:
         k, v = kv.split("=", 1)
         profile[k] = _parse_value(v)
     if secrets is not None:
         try:
-            with open(secrets) as f:
-                secrets = json.load(f)
-        except (OSError, ValueError) as e:
-            _die("cannot read secrets file %s: %s" % (secrets, e))
-        try:
-            profile = with_secrets(profile, secrets)
+            profile = with_secrets(profile, read(secrets, "secrets file"))
         except ValueError as e:
             _die("%s" % (e,))
     try:

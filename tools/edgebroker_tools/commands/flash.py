@@ -459,8 +459,8 @@ def soft_reset_and_watch(port: str, watch_s: float, echo: Callable[[str], None])
     return verdict
 
 
-def check_secrets(path: Path, target: build.Target) -> list[str]:
-    """Read the secrets file (a JSON object); warnings for missing keys."""
+def read_secrets(path: Path) -> dict[str, Any]:
+    """A secrets file's JSON object, or a CommandError in one line."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -469,6 +469,12 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
         raise CommandError(f"secrets file {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise CommandError(f"secrets file {path} must hold a JSON object")
+    return data
+
+
+def check_secrets(path: Path, target: build.Target) -> list[str]:
+    """Read the secrets file (a JSON object); warnings for missing keys."""
+    data = read_secrets(path)
     warnings = []
     mode = target.profile.get("wifi_mode", "sta")
     if mode == "ap" and len(str(data.get("ap_password") or "")) < 8:

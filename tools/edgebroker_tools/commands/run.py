@@ -11,7 +11,6 @@ SIGINT/SIGTERM to it as SIGINT and exits with its exit code.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -111,13 +110,9 @@ def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
     naming the key); the broker merges it (edgebroker.with_secrets)."""
     if path is None:
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CommandError(f"cannot read secrets file {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise CommandError(f"secrets file {path} is not valid JSON: {exc}") from None
-    problem = profiles.check_secret_bridges(data, profile)
+    from edgebroker_tools.commands.flash import read_secrets
+
+    problem = profiles.check_secret_bridges(read_secrets(path), profile)
     if problem:
         raise CommandError(f"secrets file {path}: {problem}")
     return path.resolve()

@@ -1173,23 +1173,32 @@ def build(spark: SparkSession, opts: Options) -> Result:
     build_id = stamp(datetime.now(UTC))
     reporter = _Reporter(spark, opts.progress)
     try:
-        return _build(spark, fs, opts, snapshots, out, last, build_id, reporter, t0)
+        return _build(_Run(spark, fs, opts, snapshots, out, last, build_id, reporter, t0))
     finally:
         reporter.close()
 
 
-def _build(
-    spark: SparkSession,
-    fs: Hfs,
-    opts: Options,
-    snapshots: str,
-    out: str,
-    last: Commit | None,
-    build_id: str,
-    rep: _Reporter,
-    t0: float,
-) -> Result:
+@dataclass(frozen=True)
+class _Run:
+    """What every step of one build works with."""
+
+    spark: SparkSession
+    fs: Hfs
+    opts: Options
+    snapshots: str
+    out: str
+    last: Commit | None
+    build_id: str
+    rep: _Reporter
+    t0: float
+
+
+def _build(run: _Run) -> Result:
     from edgebroker_tools.fleet import spark as fleet_spark
+
+    spark, fs, snapshots, last, build_id, rep = (
+        run.spark, run.fs, run.snapshots, run.last, run.build_id, run.rep
+    )  # fmt: skip
 
     done = last.files if last else {}
     rep.begin("list")
@@ -1206,8 +1215,7 @@ def _build(
     tiny = sum(f.size for f in inputs) < TINY_INPUT_BYTES
     before = _small_conf(spark) if tiny else {}
     try:
-        return _build_inputs(spark, fs, opts, snapshots, out, last, build_id, rep, t0,
-                             inputs, new, result)  # fmt: skip
+        return _build_inputs(run, inputs, new, result)
     finally:
         _restore(spark, before)
 
@@ -1231,20 +1239,13 @@ def _small_conf(spark: SparkSession) -> dict[str, str | None]:
 
 
 def _build_inputs(
-    spark: SparkSession,
-    fs: Hfs,
-    opts: Options,
-    snapshots: str,
-    out: str,
-    last: Commit | None,
-    build_id: str,
-    rep: _Reporter,
-    t0: float,
-    inputs: list[InputFile],
-    new: list[InputFile],
-    result: Result,
+    run: _Run, inputs: list[InputFile], new: list[InputFile], result: Result
 ) -> Result:
     from edgebroker_tools.fleet import spark as fleet_spark
+
+    spark, fs, opts, snapshots, out, last, build_id, rep = (
+        run.spark, run.fs, run.opts, run.snapshots, run.out, run.last, run.build_id, run.rep
+    )  # fmt: skip
 
     batches = last.batches if last else []
     tables = join(out, BUILDS, build_id)
@@ -1294,16 +1295,14 @@ def _build_inputs(
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fleet-write")
     try:
         try:
-            return _tables(spark, fs, opts, snapshots, out, last, build_id, rep, t0, result,
-                           obs, coll, deduped, new, new_rows, tables, tick, pool)  # fmt: skip
+            return _tables(run, result, obs, coll, deduped, new, new_rows, tables, tick, pool)
         except _DuplicateCollectionsError:
             # a collection in two files (a file copied or changed and ingested
             # again): keep one copy and write the tables again
             coll.unpersist()
             obs = dedupe(base)
             coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
-            return _tables(spark, fs, opts, snapshots, out, last, build_id, rep, t0, result,
-                           obs, coll, True, new, new_rows, tables, tick, pool)  # fmt: skip
+            return _tables(run, result, obs, coll, True, new, new_rows, tables, tick, pool)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -1313,15 +1312,7 @@ class _DuplicateCollectionsError(Exception):
 
 
 def _tables(
-    spark: SparkSession,
-    fs: Hfs,
-    opts: Options,
-    snapshots: str,
-    out: str,
-    last: Commit | None,
-    build_id: str,
-    rep: _Reporter,
-    t0: float,
+    run: _Run,
     result: Result,
     obs: DataFrame,
     coll: DataFrame,
@@ -1332,6 +1323,11 @@ def _tables(
     tick: float,
     pool: ThreadPoolExecutor,
 ) -> Result:
+    spark, fs, opts, snapshots, out, last, build_id, rep, t0 = (
+        run.spark, run.fs, run.opts, run.snapshots, run.out, run.last, run.build_id, run.rep,
+        run.t0,
+    )  # fmt: skip
+
     def write(df: DataFrame, name: str) -> Future[int]:
         def run() -> int:
             _obs, count = _write(df, join(tables, name), name)
