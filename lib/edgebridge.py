@@ -643,6 +643,9 @@ class Bridge:
         # topics (CRC-32 bit) with a message in the slow lane: set while no
         # split runs, frozen during one, cleared when nothing is queued. A
         # shared bit only sends a message the slow way (never out of order).
+        # (only with a replay_rate: unpaced, the file goes in order at link
+        # speed and no message needs to pass another)
+        self.pace = c["replay_rate"]
         self.bmap = bytearray(_BMAP)
         self.bset = False
         self.lsent = 0  # messages the live lane sent (status)
@@ -717,7 +720,7 @@ class Bridge:
             return False
         tb = rt.encode()
         pos = self.q.end
-        if not self.split:
+        if self.pace and not self.split:
             self._mark(tb)
         if r["mode"] == "latest":
             flags |= F_LATEST
@@ -794,7 +797,8 @@ class Bridge:
             if rt == T_MSG:
                 m = decode_msg(body)
                 if m is not None:
-                    self._mark(m[4])  # the backlog's topics: slow lane
+                    if self.pace:
+                        self._mark(m[4])  # the backlog's topics: slow lane
                     if m[1] & F_LATEST:
                         self._latest_at(m[4], pos)
             pos = nxt
@@ -855,8 +859,9 @@ class Bridge:
         self.bset = True
 
     def _slow(self, tb):
+        # True when tb's bit is set: a message of the slow lane
         h = _crc32(tb) & 2047
-        return self.bmap[h >> 3] & (1 << (h & 7))
+        return bool(self.bmap[h >> 3] & (1 << (h & 7)))
 
     def _fill(self, now):
         """Sends queue records while the window has room. Per-topic order
@@ -866,7 +871,7 @@ class Bridge:
         lane. replay_rate paces what was queued before this connect (the
         backlog), so that live messages are not starved behind it."""
         q = self.q
-        rate = self.c["replay_rate"]
+        rate = self.pace
         if rate:
             self.tokens = min(rate, self.tokens + (now - self.t_rate) * rate)
             self.t_rate = now
@@ -922,8 +927,9 @@ class Bridge:
                 self._skip(live, inf)
                 continue
             qos, flags, exp, w, tb, props, payload, seq = m
-            if split and (live or at >= self.sstart) and live != (not self._slow(tb)):
-                # the other lane's message (it counts it); with nothing in
+            if split and (live or at >= self.sstart) and self._slow(tb) == live:
+                # the other lane's message (it counts it): a slow-lane topic
+                # seen by the live lane or the reverse; with nothing in
                 # flight here, this lane's front passes it
                 if not inf:
                     if live:
@@ -1027,7 +1033,7 @@ class Bridge:
             self.q.rel.pop(e[_I_SEQ], None)
         e[_I_ACK] = 1
         self.acked += 1
-        live = e[_I_LIVE] if len(e) > _I_LIVE else 0
+        live = e[_I_LIVE]
         inf = self.linf if live else self.inflight
         n = 0
         end = 0
@@ -1197,7 +1203,7 @@ class Bridge:
     async def _ticker(self, aio):
         # wakes the link for keep alive, the cursor record and the replay
         # rate: one sleeping task instead of a timeout per wait
-        rate = self.c["replay_rate"]
+        rate = self.pace
         period = 0.5 if not rate else max(0.01, min(0.5, 1 / rate))
         while True:
             await aio.sleep(period)
@@ -1259,7 +1265,7 @@ class Bridge:
         self.tokens = 1.0
         q = self.q
         self.lstart = q.end  # queued before this connect: paced by replay_rate
-        if self.c["replay_rate"] and not self.split and self.sendpos < q.end:
+        if self.pace and not self.split and self.sendpos < q.end:
             # a backlog to pace: messages queued from now on whose topic
             # has nothing in it go by the live lane
             self.split = True
@@ -1271,7 +1277,7 @@ class Bridge:
     def _pid_status(self):
         # a packet id outside the queue's: its acks match no entry
         p = self._pid()
-        self.pids[p] = [p, 0, 0, 1, 0, 0, 0]
+        self.pids[p] = [p, 0, 0, 1, 0, 0, 0, 0]
         return p
 
     def _restart(self):

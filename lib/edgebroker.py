@@ -639,7 +639,11 @@ def with_secrets(profile, secrets):
                 if isinstance(b, dict) and b.get("name") == name:
                     found = b
             if found is None:
-                raise ValueError("%s: the profile has no bridge named %r" % (w, name))
+                have = [b.get("name") for b in items if isinstance(b, dict)]
+                raise ValueError(
+                    "%s: the profile has no bridge named %r (it has %s)"
+                    % (w, name, ", ".join(repr(n) for n in have) or "none")
+                )
             for k in c:
                 if k not in ("username", "password"):
                     raise ValueError("%s.%s: unknown key (allowed username, password)" % (w, k))

@@ -376,14 +376,13 @@ def _publisher(port: int, n: int, start: int, k: int, cpu: Any) -> None:
     cpu.put(time.process_time())  # this process's CPU seconds, start-up included
 
 
-def publish_procs(port: int, n: int, start: int, procs: int) -> tuple[float, float]:
+def publish_procs(port: int, n: int, start: int, procs: int) -> float:
     """n messages from `procs` publisher processes (contiguous shares of the
-    numbers); (seconds, CPU seconds the publishers used)."""
+    numbers); returns the CPU seconds the publishers used."""
     ctx = multiprocessing.get_context("fork")
     cpu_q = ctx.SimpleQueue()
     share = -(-n // procs)
     jobs = []
-    t0 = time.monotonic()
     for k in range(procs):
         lo = start + k * share
         cnt = min(share, start + n - lo)
@@ -396,13 +395,12 @@ def publish_procs(port: int, n: int, start: int, procs: int) -> tuple[float, flo
         if j.exitcode is None:
             j.kill()  # bounded: a publisher that hangs is ended (it is ours)
             j.join(5)
-    took = time.monotonic() - t0
     if any(j.exitcode != 0 for j in jobs):
         raise RuntimeError("a publisher process failed")
     cpu = 0.0
     while not cpu_q.empty():
         cpu += float(cpu_q.get())
-    return took, cpu
+    return cpu
 
 
 def sys_value(port: int, topic: str) -> float | None:
@@ -432,7 +430,7 @@ def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> di
                 col.expect(0, n_tp)
                 t0 = time.monotonic()
                 me0 = time.process_time()
-                _took, pub_cpu = publish_procs(ep.port, n_tp, 0, PUBLISHERS)
+                pub_cpu = publish_procs(ep.port, n_tp, 0, PUBLISHERS)
                 ok = col.wait(n_tp, 120)
                 # from the first local PUBLISH to the last arrival upstream
                 wall = max(1e-9, col.last - t0)

@@ -15,8 +15,6 @@ in lib/, so that the board does not carry it.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from struct import unpack_from
@@ -42,13 +40,12 @@ def is_bridge_queue(path: Path) -> bool:
 
 def load_edgebridge() -> ModuleType:
     """lib/edgebridge.py (it imports lib/edgebroker.py beside it)."""
-    lib = str(runner.lib_path().resolve().parent)
-    if lib not in sys.path:
-        sys.path.insert(0, lib)
     try:
-        return importlib.import_module("edgebridge")
+        return runner.lib_module("edgebridge")
     except ImportError as exc:
-        raise CommandError(f"cannot import edgebridge from {lib}: {exc}") from None
+        raise CommandError(
+            f"cannot import edgebridge from {runner.lib_path().parent}: {exc}"
+        ) from None
 
 
 def read_bridge_report(path: Path, limit: int = 20) -> Report:

@@ -503,56 +503,36 @@ WORD4_PER_WORD8: Final = 278.9 / 429.8
 #: Cost entries that are file sizes, not heap: never scaled.
 _FILE_SIZES: Final = ("mpy_file_bytes", "image_bytes")
 #: Which measured 32-bit ratio (memory_costs.json "costs_32bit", made by
-#: edgebroker_tools.measure32 on the npm WebAssembly MicroPython) scales
-#: which 64-bit figure: code by its module's import ratio, each per-item
-#: figure by the same kind measured in process.
-_RATIO_OF: Final = {
-    "import_mpy.edgebroker": "import_mpy.edgebroker",
-    "import_mpy.edgestore": "import_mpy.edgestore",
-    "import_mpy.edgebridge": "import_mpy.edgebridge",
-    "import_py.edgebroker": "import_mpy.edgebroker",
-    "import_py.edgestore": "import_mpy.edgestore",
-    "import_romfs.edgebroker": "import_mpy.edgebroker",
-    "import_romfs.edgestore": "import_mpy.edgestore",
-    "min_heap_import_mpy.edgebroker": "import_mpy.edgebroker",
-    "min_heap_import_mpy.edgestore": "import_mpy.edgestore",
-    "min_heap_import_py.edgebroker": "import_mpy.edgebroker",
-    "min_heap_import_py.edgestore": "import_mpy.edgestore",
+#: edgebroker_tools.measure32 on the npm WebAssembly MicroPython) scales a
+#: 64-bit figure: its own kind where measured (import_mpy.edgebroker,
+#: per_connection, ...), every import figure of a module by that module's
+#: import ratio, and these by a kind alike.
+_ALIKE: Final = {
     "import_mpy_firmware.gateway": "import_mpy.edgebroker",
     "broker_idle": "engine_idle",
-    "per_connection": "per_connection",
-    "per_subscription": "per_subscription",
-    "per_offline_session": "per_offline_session",
-    "per_queued_message": "per_queued_message",
     "per_queued_message_256": "per_queued_message",
-    "per_inflight_message": "per_inflight_message",
     "message_overhead": "per_queued_message",
-    "retained.ram.per_message": "retained.ram.per_message",
     "retained.ram.overhead": "retained.ram.per_message",
     "retained.disc.per_message": "retained.ram.per_message",
     "retained.disc.overhead": "retained.ram.per_message",
-    "retained.disc_only.per_message": "retained.disc_only.per_message",
 }
+_IMPORT_FIGURES: Final = ("import_py", "import_romfs", "min_heap_import_mpy", "min_heap_import_py")
 
 
-def ratios_32(costs: Mapping[str, Any]) -> dict[str, float]:
-    """The measured 32-bit/64-bit ratio of each figure path that has one."""
-    figures = costs.get("costs_32bit", {}).get("figures", {})
-    out: dict[str, float] = {}
-    for path, kind in _RATIO_OF.items():
-        ratio = figures.get(kind, {}).get("ratio")
-        if isinstance(ratio, int | float) and ratio > 0:
-            out[path] = float(ratio)
-    return out
+def ratio_32(costs: Mapping[str, Any], path: str) -> float:
+    """The measured 32-bit/64-bit ratio for a figure path, or WORD4_PER_WORD8."""
+    head, _, module = path.partition(".")
+    kind = f"import_mpy.{module}" if head in _IMPORT_FIGURES else _ALIKE.get(path, path)
+    ratio = costs.get("costs_32bit", {}).get("figures", {}).get(kind, {}).get("ratio")
+    return float(ratio) if isinstance(ratio, int | float) and ratio > 0 else WORD4_PER_WORD8
 
 
 def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The costs as a board with cfg's word_bytes pays them: the 64-bit
     figures as measured for 8; for 4, each scaled by its kind's measured
-    32-bit ratio (ratios_32), else by WORD4_PER_WORD8."""
+    32-bit ratio (ratio_32), else by WORD4_PER_WORD8."""
     if int(cfg.get("word_bytes", 4)) == 8:
         return costs
-    ratios = ratios_32(costs)
 
     def scale(node: Any, path: str) -> Any:
         if isinstance(node, dict):
@@ -561,7 +541,7 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
                 for k, v in node.items()
             }
         if isinstance(node, int) and not isinstance(node, bool):
-            return round(node * ratios.get(path, WORD4_PER_WORD8))
+            return round(node * ratio_32(costs, path))
         return node
 
     out = dict(costs)
@@ -1021,29 +1001,15 @@ def host_warnings(report: Report, bind: str) -> list[Issue]:
 
 
 def check_secret_bridges(secrets: Any, profile: Mapping[str, Any]) -> str | None:
-    """The "bridges" map of a secrets file: {"<bridge name>": {"username",
-    "password"}} for bridges the profile has (the broker's with_secrets()
-    merges it). One line naming the key when it is wrong, else None."""
-    if not isinstance(secrets, dict):
-        return "must hold a JSON object"
-    creds = secrets.get("bridges")
-    if creds is None:
-        return None
-    if not isinstance(creds, dict):
-        return f"bridges: {creds!r} is not an object of bridge name -> credentials"
-    names = [b.get("name") for b in profile.get("bridges") or () if isinstance(b, dict)]
-    for name, entry in creds.items():
-        where = f"bridges.{name}"
-        if name not in names:
-            have = ", ".join(repr(n) for n in names) or "none"
-            return f"{where}: the profile has no bridge named {name!r} (it has {have})"
-        if not isinstance(entry, dict):
-            return f"{where}: {entry!r} is not an object"
-        for key, value in entry.items():
-            if key not in ("username", "password"):
-                return f"{where}.{key}: unknown key (allowed username, password)"
-            if not isinstance(value, str):
-                return f"{where}.{key}: {value!r} is not a string"
+    """The "bridges" map of a secrets file ({"<bridge name>": {"username",
+    "password"}} for bridges the profile has), checked by the broker's own
+    merge (lib/edgebroker.py with_secrets()): one line naming the key when
+    it is wrong, else None."""
+    edgebroker = runner.lib_module("edgebroker")
+    try:
+        edgebroker.with_secrets(dict(profile), {"bridges": secrets.get("bridges")})
+    except ValueError as exc:
+        return str(exc).removeprefix("secrets ")
     return None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any, Final, Literal
 
 Interpreter = Literal["cpython", "micropython"]
@@ -152,6 +153,15 @@ def board_name(path: Path, profile: dict[str, Any]) -> str:
     if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
         return name
     return path.stem
+
+
+def lib_module(name: str) -> ModuleType:
+    """A module of lib/ (beside the broker script), imported in this
+    process: the host tools reuse the broker's own readers and checks."""
+    lib = str(lib_path().resolve().parent)
+    if lib not in sys.path:
+        sys.path.insert(0, lib)
+    return importlib.import_module(name)
 
 
 def micropython_executable() -> Path:

@@ -5,8 +5,9 @@ or a bridge queue file (data/bridge-<name>.ebrq).
     edgebroker store check FILE
 
 A file that starts with the bridge queue's magic (EBRQ) is read by
-lib/edgebridge.py's inspect() instead (bridge_inspect.py): cursor, backlog,
-dead bytes, torn and corrupt records, QoS 2 messages past PUBREC.
+bridge_inspect.queue_report() instead, with lib/edgebridge.py's record
+reader: cursor, backlog, dead bytes, torn and corrupt records, QoS 2
+messages past PUBREC.
 
 Both read the file with lib/edgestore.py's own reader (store_report.inspect()
 over edgestore.replay(), the decisions FlashStore makes when it opens a

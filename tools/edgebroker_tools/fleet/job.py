@@ -1192,15 +1192,22 @@ class _Run:
     rep: _Reporter
     t0: float
 
+    @property
+    def done(self) -> dict[str, str]:
+        """The input files the previous commit saw (path -> size|mtime key)."""
+        return self.last.files if self.last else {}
+
+    @property
+    def batches(self) -> list[str]:
+        """The observation batches the previous commit names."""
+        return self.last.batches if self.last else []
+
 
 def _build(run: _Run) -> Result:
     from edgebroker_tools.fleet import spark as fleet_spark
 
-    spark, fs, snapshots, last, build_id, rep = (
-        run.spark, run.fs, run.snapshots, run.last, run.build_id, run.rep
-    )  # fmt: skip
-
-    done = last.files if last else {}
+    spark, fs, snapshots, build_id, rep = run.spark, run.fs, run.snapshots, run.build_id, run.rep
+    done = run.done
     rep.begin("list")
     inputs = list_inputs(spark, fs, snapshots)
     new = [f for f in inputs if done.get(f.rel) != f.key]
@@ -1215,7 +1222,7 @@ def _build(run: _Run) -> Result:
     tiny = sum(f.size for f in inputs) < TINY_INPUT_BYTES
     before = _small_conf(spark) if tiny else {}
     try:
-        return _build_inputs(run, inputs, new, result)
+        return _build_inputs(run, tiny, new, result)
     finally:
         _restore(spark, before)
 
@@ -1238,16 +1245,13 @@ def _small_conf(spark: SparkSession) -> dict[str, str | None]:
     return before
 
 
-def _build_inputs(
-    run: _Run, inputs: list[InputFile], new: list[InputFile], result: Result
-) -> Result:
+def _build_inputs(run: _Run, tiny: bool, new: list[InputFile], result: Result) -> Result:
     from edgebroker_tools.fleet import spark as fleet_spark
 
-    spark, fs, opts, snapshots, out, last, build_id, rep = (
-        run.spark, run.fs, run.opts, run.snapshots, run.out, run.last, run.build_id, run.rep
+    spark, fs, opts, snapshots, out, build_id, rep = (
+        run.spark, run.fs, run.opts, run.snapshots, run.out, run.build_id, run.rep
     )  # fmt: skip
-
-    batches = last.batches if last else []
+    batches = run.batches
     tables = join(out, BUILDS, build_id)
     tick = time.monotonic()
     rep.begin("ingest")
@@ -1276,15 +1280,13 @@ def _build_inputs(
     obs = base
     coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
     deduped = False
-    if sum(f.size for f in inputs) >= TINY_INPUT_BYTES:
+    if not tiny:
         # a large input: one pass fills the collections cache before the
         # table writes share it (two writes at once would each compute it)
         # and finds a collection that is in two files
-        probe = coll.agg(F.max((F.col("_lo") != F.col("_hi")).cast("int"))).first()
+        probe = coll.agg(F.max(_in_two_files())).first()
         if probe is not None and probe[0]:
-            coll.unpersist()
-            obs = dedupe(base)
-            coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
+            obs, coll = _deduped(base, coll)
             deduped = True
     # The tables that do not depend on each other are written at once, from
     # threads of this driver (Spark runs jobs of one session concurrently):
@@ -1297,14 +1299,24 @@ def _build_inputs(
         try:
             return _tables(run, result, obs, coll, deduped, new, new_rows, tables, tick, pool)
         except _DuplicateCollectionsError:
-            # a collection in two files (a file copied or changed and ingested
-            # again): keep one copy and write the tables again
-            coll.unpersist()
-            obs = dedupe(base)
-            coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
+            # a tiny input's gateway_health write saw it: write them again
+            obs, coll = _deduped(base, coll)
             return _tables(run, result, obs, coll, True, new, new_rows, tables, tick, pool)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _in_two_files() -> Column:
+    """1 for a collection that is in two (batch, file)s (collections()' _lo/_hi)."""
+    return (F.col("_lo") != F.col("_hi")).cast("int")
+
+
+def _deduped(base: DataFrame, coll: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """A collection in two files (a file copied or changed and ingested
+    again): one copy of each kept, the collections made again from it."""
+    coll.unpersist()
+    obs = dedupe(base)
+    return obs, collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
 
 
 class _DuplicateCollectionsError(Exception):
@@ -1327,6 +1339,7 @@ def _tables(
         run.spark, run.fs, run.opts, run.snapshots, run.out, run.last, run.build_id, run.rep,
         run.t0,
     )  # fmt: skip
+    done, batches = run.done, run.batches
 
     def write(df: DataFrame, name: str) -> Future[int]:
         def run() -> int:
@@ -1339,8 +1352,6 @@ def _tables(
         result.rows[name] = fut.result()
         rep.say(f"{name}: {result.rows[name]:,} rows")
 
-    done = last.files if last else {}
-    batches = last.batches if last else []
     rep.begin("gateway_health, topic_history")
     # as_of and the duplicate check are observed while gateway_health is
     # written (no separate pass over the collections)
@@ -1348,7 +1359,7 @@ def _tables(
     checked = coll.observe(
         probe,
         F.max("collected_at").alias("as_of"),
-        F.max((F.col("_lo") != F.col("_hi")).cast("int")).alias("dup"),
+        F.max(_in_two_files()).alias("dup"),
     )
     gh = health(checked, opts.near).persist(StorageLevel.MEMORY_AND_DISK)
     gh_f = write(gh, "gateway_health")
