@@ -104,17 +104,10 @@ def record(rt, body):
     return h + body + pack(">I", _crc32(body, _crc32(h)) & _U32)
 
 
-def msg_body(seq, qos, flags, exp, wall, topic_b, props, payload):
-    return (
-        pack(">IBBIIHI", seq, qos, flags, exp, wall, len(topic_b), len(props))
-        + topic_b
-        + props
-        + payload
-    )
-
-
-def decode_msg(body):
-    """(qos, flags, expiry, wall, topic bytes, props, payload, seq) or None."""
+def decode_view(body):
+    """(qos, flags, expiry, wall, topic, props, payload, seq) or None; topic,
+    props and payload are views into body (a memoryview): the drain's path,
+    which copies them once, into the output buffer."""
     n = len(body)
     if n < _MHEAD:
         return None
@@ -122,16 +115,15 @@ def decode_msg(body):
     j = _MHEAD + tl
     if j + pl > n or qos > 2:
         return None
-    return (
-        qos,
-        flags,
-        exp,
-        wall,
-        bytes(body[_MHEAD:j]),
-        bytes(body[j : j + pl]),
-        bytes(body[j + pl :]),
-        seq,
-    )
+    return qos, flags, exp, wall, body[_MHEAD:j], body[j : j + pl], body[j + pl :], seq
+
+
+def decode_msg(body):
+    """decode_view() with topic, props and payload as bytes."""
+    m = decode_view(memoryview(body))
+    if m is None:
+        return None
+    return m[0], m[1], m[2], m[3], bytes(m[4]), bytes(m[5]), bytes(m[6]), m[7]
 
 
 def read_record(f, pos, size):
@@ -415,16 +407,28 @@ class Queue:
     # -------------------------------------------------------------- writing
     def append(self, qos, flags, exp, wall, topic_b, props, payload):
         """Appends one message; False when the full policy refused it."""
-        rec = record(T_MSG, msg_body(self.seq, qos, flags, exp, wall, topic_b, props, payload))
+        tl = len(topic_b)
+        pl = len(props)
+        blen = _MHEAD + tl + pl + len(payload)
         # room for the record and the cursor record the next commit may add
-        n = len(rec) + 17
+        n = blen + 26
         if self.nbytes + n > self.budget:
             if not self.drop_oldest or n > self.budget:
                 self.drops += 1
                 return False
             while self.cursor < self.end and self.nbytes + n > self.budget:
                 self._drop_first()
-        self.wb.extend(rec)
+        # record(T_MSG, body) written in place: no copies (the CRC
+        # of type, length and body in one pass is the chained one)
+        wb = self.wb
+        i = len(wb)
+        wb += pack(">BIIBBIIHI", T_MSG, blen, self.seq, qos, flags, exp, wall, tl, pl)
+        wb += topic_b
+        if pl:
+            wb += props
+        wb += payload
+        c = _crc32(memoryview(wb)[i:]) & _U32
+        wb += pack(">I", c)
         self.count += 1
         self.seq = (self.seq + 1) & 0x3FFFFFFF
         return True
@@ -601,6 +605,7 @@ class Bridge:
         self.eng = broker.engine
         self.c = c
         self.name = c["name"]
+        self.v5 = c["protocol"] == 5
         cfg = broker.cfg
         self.durable = cfg["storage_type"] in ("disc", "disc_only")
         self.outr = []  # outbound rules: (local filter levels, rule)
@@ -680,6 +685,10 @@ class Bridge:
         self.last_ping = 0
         self.last_state = 0
         self.rerr = None
+        self.rmv = None  # the link's receive buffer (a session's)
+        self.sacks = False  # a lane has acknowledged entries to settle
+        self.lacks = False
+        self.nput = 0
         self.rbuf = bytearray()
         self.connack = None
 
@@ -731,11 +740,14 @@ class Bridge:
 
         if not self.durable:
             self.eng.sdirty = True  # written at the turn's commit, not waited for
-        self._kick()
-        return True
+        self.nput += 1
+        if self.nput & 7 == 0:
+            self.pump()
+        return True  # sendable after the commit, which wakes the link
 
     def commit(self):
         self.q.commit(self.durable)
+        self.pump()  # what came during the write and fsync
         self._kick()
 
     def _kick(self):
@@ -821,7 +833,7 @@ class Bridge:
     def _publish(self, tb, qos, retain, pid, props, exp, payload, dup):
         # written straight into the output buffer (the drain's hot path)
         plen = len(props)
-        if self.c["protocol"] == 5:
+        if self.v5:
             if exp >= 0:
                 plen += 5  # Message Expiry Interval (3.3.2.3.3), the time left
             pv = eb.vbi(plen) if plen > 127 else bytes((plen,))
@@ -922,7 +934,7 @@ class Bridge:
             pos = nxt
             if rt != T_MSG:
                 continue
-            m = decode_msg(body)
+            m = decode_view(body)
             if m is None:
                 self._skip(live, inf)
                 continue
@@ -942,7 +954,7 @@ class Bridge:
                 self.toolarge += 1
                 self._skip(live, inf, pos)
                 continue
-            if flags & F_LATEST and self._superseded(tb, at):
+            if flags & F_LATEST and self._superseded(bytes(tb), at):
                 self.lskip += 1
                 self._skip(live, inf, pos)
                 continue
@@ -1033,7 +1045,22 @@ class Bridge:
             self.q.rel.pop(e[_I_SEQ], None)
         e[_I_ACK] = 1
         self.acked += 1
-        live = e[_I_LIVE]
+        if e[_I_LIVE]:
+            self.lacks = True
+        else:
+            self.sacks = True
+
+    def _settle(self):
+        # after a read's acknowledgements: each lane's acknowledged front
+        # entries leave, and the cursor moves once (not once per message)
+        if self.sacks:
+            self.sacks = False
+            self._front(0)
+        if self.lacks:
+            self.lacks = False
+            self._front(1)
+
+    def _front(self, live):
         inf = self.linf if live else self.inflight
         n = 0
         end = 0
@@ -1335,9 +1362,11 @@ class Bridge:
         ev = self.ev
         while self.broker.running:
             ev.clear()  # what happens from here on wakes the wait below
-            if rd.done():
+            if rd.done() or self.rerr is not None:
                 e = self.rerr
                 raise e if e is not None else _Down("closed by upstream")
+            if self.rbuf:
+                self._took(0, clock)  # what pump() left (an inbound PUBLISH)
             now = clock()
             if now - self.last_rx >= ka:
                 # a PINGREQ went at keepalive/2 and nothing came back since:
@@ -1419,46 +1448,79 @@ class Bridge:
 
     async def _reader(self, s, clock):
         self.rerr = None
-        mv = memoryview(bytearray(4096))
+        self.rmv = mv = memoryview(bytearray(4096))
         pending = getattr(s, "pending", None)  # CPython TLS: bytes decrypted, not yet read
         try:
             while True:
                 if pending is None or not pending():
                     await eb._io_wait(s, False)
+                if self.rerr is not None:
+                    raise self.rerr  # pump() met it first
                 try:
                     n = eb._recv_into(s, mv)
                 except OSError as e:
                     if not _blocked(e):
                         raise
-                    n = -1
+                    n = -1  # pump() took what woke us
                 if n is None or n < 0:
                     continue
                 if n == 0:
                     raise _Down("closed by upstream")
-                self.last_rx = clock()
-                self.rbuf += mv[:n]
-                self._parse()
-                if self.relq:
-                    # the "R" records reach flash before any PUBREL leaves
-                    self.q.commit(True)
-                    for pid in self.relq:
-                        self.out += b"\x62\x02" + eb.u16(pid)
-                    self.relq = []
-                if self.up:
-                    # acknowledgements opened the window: refill it now
-                    # rather than one scheduling round later in _serve
-                    self._fill(clock())
-                    self._flush()
+                self._took(n, clock)
                 self._kick()
         except Exception as e:
             self.rerr = e
             self._kick()
 
-    def _parse(self):
+    def _took(self, n, clock, acks=False):
+        # n bytes arrived in rmv: handled (acks: only up to the first packet
+        # that is not an acknowledgement), then the window refilled
+        if n:
+            self.last_rx = clock()
+            self.rbuf += self.rmv[:n]
+        self._parse(acks)
+        if self.relq:
+            # the "R" records reach flash before any PUBREL leaves
+            self.q.commit(True)
+            for pid in self.relq:
+                self.out += b"\x62\x02" + eb.u16(pid)
+            self.relq = []
+        if self.up:
+            # acknowledgements opened the window: refill it now
+            # rather than one scheduling round later in _serve
+            self._fill(clock())
+            self._flush()
+
+    def pump(self):
+        """Services the link between local packets: takes what the upstream
+        sent without waiting for the event loop, and refills the window.
+        Under load the window is full nearly all the time, so forwarding
+        runs at window / round trip; a long batch of local packets would
+        otherwise add its whole duration to every round trip."""
+        s = self.sock
+        if not self.up or s is None or self.rerr is not None:
+            return
+        try:
+            n = eb._recv_into(s, self.rmv)
+            if n is not None and n > 0:
+                # called while a local PUBLISH is routed: an inbound PUBLISH
+                # (routed too) waits for the link task (_serve)
+                self._took(n, self.broker.clock, True)
+                if self.rbuf:
+                    self._kick()
+        except Exception as e:
+            if isinstance(e, OSError) and _blocked(e):
+                return
+            self.rerr = e  # the reader ends the session with it
+            self._kick()
+
+    def _parse(self, acks=False):
         b = self.rbuf
         i = 0
         n = len(b)
         while n - i >= 2:
+            if acks and b[i] >> 4 not in (4, 5, 7, 13):
+                break  # PUBACK, PUBREC, PUBCOMP, PINGRESP only
             j = i + 1
             ln = 0
             sh = 0
@@ -1480,10 +1542,14 @@ class Bridge:
                 raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
             if ln < 0 or j + ln > n:
                 break
-            self._handle(b[i], b, j, j + ln)
+            if b[i] == 0x40:
+                self._acked(b[j] << 8 | b[j + 1], True)  # PUBACK: the drain's path
+            else:
+                self._handle(b[i], b, j, j + ln)
             i = j + ln
         if i:
             self.rbuf = b[i:]
+        self._settle()
 
     def _handle(self, first, b, i, end):
         t = first >> 4

@@ -17,7 +17,7 @@ import edgebridge  # noqa: E402
 from conftest import micropython_exe  # noqa: E402
 
 SCRIPT = r'''
-import sys, os, json
+import sys, os, json, struct
 sys.path.insert(0, "lib")
 import edgebridge as b
 d = sys.argv[1]
@@ -41,7 +41,8 @@ out["count"] = q.count
 size = os.stat(path)[6]
 q.f.close()
 # a power cut in the middle of the next record: half of it on flash
-rec = b.record(b.T_MSG, b.msg_body(99, 1, 0, 0, 0, b"t/x", b"", b"cut"))
+body = struct.pack(">IBBIIHI", 99, 1, 0, 0, 0, 3, 0) + b"t/x" + b"cut"  # a message body
+rec = b.record(b.T_MSG, body)
 f = open(path, "ab")
 f.write(rec[:len(rec) // 2])
 f.close()
