@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = (
         {"throughput": 2000, "drain": 5000, "kill": 2000}
         if args.quick
-        else {"throughput": 20000, "drain": 50000, "kill": 10000}
+        else {"throughput": 100000, "drain": 50000, "kill": 10000}
     )
     only = {s for s in args.only.split(",") if s}
     rows = []
