@@ -568,6 +568,7 @@ class Gateway:
 
         # users and bridge credentials live in /secrets.json, not the profile
         cfg = edgebroker.limits(edgebroker.with_secrets(self.profile, self.secrets))
+        edgebroker.load_modules(cfg)  # before the broker's objects: no holes between them
         clock = edgebroker.MonoClock()  # one monotonic clock for the store and the broker
         try:
             os.mkdir(DATA_DIR)

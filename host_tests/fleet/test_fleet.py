@@ -363,7 +363,7 @@ def test_second_run_updates_state_and_history(round2: dict[str, Any]) -> None:
 
 
 def test_rebuild_is_idempotent_and_equals_a_fresh_build(
-    round2: dict[str, Any], spark: Any, tmp_path: Path
+    round2: dict[str, Any], spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wh = round2["warehouse"]
     again = job.build(spark, opts(round2["snapshots"], wh))
@@ -373,6 +373,13 @@ def test_rebuild_is_idempotent_and_equals_a_fresh_build(
     fresh = tmp_path / "fresh"
     job.build(spark, opts(round2["snapshots"].as_uri(), fresh.as_uri()))
     assert tables(fresh) == round2["tables"]
+    # the files decoded on the executors (a large input's way) == on the
+    # driver (a tiny input's: no Python worker), compiled == interpreted
+    with monkeypatch.context() as m:
+        m.setattr(job, "TINY_INPUT_BYTES", 0)
+        wide = job.build(spark, opts(round2["snapshots"], tmp_path / "executors"))
+    assert tables(tmp_path / "executors") == round2["tables"]
+    assert wide.ingested == job.build(spark, opts(round2["snapshots"], tmp_path / "driver")).ingested
     # a copied snapshot (same collection under another name) is counted once
     src = next((round2["snapshots"] / "retained").rglob("gw-host__*.parquet"))
     shutil.copy(src, src.with_name("copy-of-" + src.name))

@@ -317,6 +317,14 @@ def ingest(
     Appends one FileStatus per input file to statuses (the job forwards them
     to the driver through an accumulator).
     """
+    for table in ingest_tables(batches, statuses):
+        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+
+
+def ingest_tables(
+    batches: Iterable[pa.RecordBatch], statuses: list[FileStatus]
+) -> Iterator[pa.Table]:
+    """ingest() a whole file's table at a time (INGEST_SCHEMA), not cut into batches."""
     for batch in batches:
         units = batch.to_pylist()
         for unit in units:
@@ -333,4 +341,4 @@ def ingest(
                 continue
             statuses.append(FileStatus(path, kind, table.num_rows))
             table = table.append_column("_file", pa.repeat(pa.scalar(path), table.num_rows))
-            yield from table.cast(INGEST_SCHEMA).to_batches(max_chunksize=BATCH_ROWS)
+            yield table.cast(INGEST_SCHEMA)

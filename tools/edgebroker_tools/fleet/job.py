@@ -18,7 +18,9 @@ commit protocol: schema.py):
 2. Ingest, on the executors: binaryFile hands each new file's bytes to
    decode.ingest(), which takes the file whole (pyarrow for snapshots,
    edgestore's reader for store files) or reports why not (an accumulator
-   brings the per-file status back). The rows are kept in memory for the
+   brings the per-file status back). A tiny input (TINY_INPUT_BYTES) is
+   decoded the same way on the driver, from the same reader's bytes, and
+   handed to Spark as Arrow: no Python worker starts. The rows are kept in memory for the
    steps below and written once, as this build's batch of _observations.
 3. Everything else is recomputed from all committed batches plus this
    one, so the tables depend on the set of rows ingested, never on the
@@ -117,6 +119,7 @@ from edgebroker_tools.fleet.schema import (
     COLLECT_LOG,
     COMMIT_RE,
     COMMITS,
+    INGEST_SCHEMA,
     LIMIT_KEYS,
     OBSERVATIONS,
     PATCHES,
@@ -346,17 +349,17 @@ FILES_PER_ARROW_BATCH: Final = 4
 
 @dataclass
 class Ingest:
-    """A new batch: its rows (decoded on the executors) and what became of each file."""
+    """A new batch: its rows (decoded on the executors or the driver) and each file's fate."""
 
     rows: DataFrame | None  # None: no usable file
-    statuses: Any  # the accumulator: read after the first action on rows
+    statuses: Any  # the accumulator (read after the first action on rows), or the list
     units: dict[str, InputFile]
     skipped: list[dict[str, Any]]
 
     def outcome(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(ingested, skipped): one dict per file (path, kind, rows / error)."""
         by_uri: dict[str, dict[str, Any]] = {}
-        seen = self.statuses.value if self.statuses is not None else []
+        seen = getattr(self.statuses, "value", self.statuses) or []
         for status in cast(list[dict[str, Any]], seen):
             by_uri[str(status["path"])] = status  # a retried task reports twice
         ingested: list[dict[str, Any]] = []
@@ -372,11 +375,19 @@ class Ingest:
 
 
 def ingest(
-    spark: SparkSession, fs: Hfs, snapshots: str, files: Sequence[InputFile], keep_damaged: bool
+    spark: SparkSession,
+    fs: Hfs,
+    snapshots: str,
+    files: Sequence[InputFile],
+    keep_damaged: bool,
+    on_driver: bool = False,
 ) -> Ingest:
     """The new files' rows, decoded on the executors from Spark's binaryFile reader.
 
     Nothing runs until the caller's first action on .rows (the batch write).
+    on_driver (a tiny input): the bytes come from the same reader, but are
+    decoded here and handed back to Spark as Arrow, so that no Python worker
+    starts (its start, about 1.5 s in a fresh JVM, is most of a tiny ingest).
     """
     skipped: list[dict[str, Any]] = []
     metas = (
@@ -393,32 +404,46 @@ def ingest(
         units[f.uri] = f
     if not units:
         return Ingest(None, None, units, skipped)
-    sc = spark.sparkContext
-    acc = sc.accumulator(cast(list[dict[str, Any]], []), _ListParam())
     kinds = {uri: f.kind for uri, f in units.items()}
     unit_metas = {uri: metas.get(uri) for uri in units}
 
+    def units_of(paths: list[str], content: Any) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pydict(
+            {
+                "kind": [kinds.get(p, decode.KIND_PARQUET) for p in paths],
+                "path": paths,
+                "content": content,
+                "meta": [unit_metas.get(p) for p in paths],
+                "keep_damaged": [keep_damaged] * len(paths),
+            }
+        )
+
+    raw = spark.read.format("binaryFile").load(list(units)).select("path", "content")
+    if on_driver:
+        got = raw.collect()
+        statuses: list[decode.FileStatus] = []
+        unit = units_of([str(r["path"]) for r in got], [bytes(r["content"]) for r in got])
+        # whole tables, not ingest()'s slices (pyspark cannot convert a sliced
+        # list column with nulls), and one chunk at least (nor no chunks)
+        out = list(decode.ingest_tables([unit], statuses))
+        table = pa.concat_tables([INGEST_SCHEMA.empty_table(), *out]).combine_chunks()
+        done = [asdict(st) for st in statuses]
+        return Ingest(spark.createDataFrame(table, INGEST_STRUCT), done, units, skipped)
+    acc = spark.sparkContext.accumulator(cast(list[dict[str, Any]], []), _ListParam())
+
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         statuses: list[decode.FileStatus] = []
-
-        def units_of(batch: pa.RecordBatch) -> pa.RecordBatch:
-            paths = cast(list[str], batch.column("path").to_pylist())
-            return pa.RecordBatch.from_pydict(
-                {
-                    "kind": [kinds.get(p, decode.KIND_PARQUET) for p in paths],
-                    "path": paths,
-                    "content": batch.column("content"),
-                    "meta": [unit_metas.get(p) for p in paths],
-                    "keep_damaged": [keep_damaged] * len(paths),
-                }
-            )
-
         try:
-            yield from decode.ingest((units_of(b) for b in batches), statuses)
+            yield from decode.ingest(
+                (
+                    units_of(cast(list[str], b.column("path").to_pylist()), b.column("content"))
+                    for b in batches
+                ),
+                statuses,
+            )
         finally:
             acc.add([asdict(s) for s in statuses])
 
-    raw = spark.read.format("binaryFile").load(list(units)).select("path", "content")
     rows = raw.mapInArrow(run, INGEST_STRUCT)
     return Ingest(rows, acc, units, skipped)
 
@@ -1031,9 +1056,11 @@ KEEP_COMMITS: Final = 2
 #: Input below this many bytes: one shuffle partition per core (fixed costs dominate).
 SMALL_INPUT_BYTES: Final = 64 << 20
 #: Input below this many bytes (a few hundred thousand rows at most): the
-#: build is all fixed cost, so expressions are interpreted rather than
-#: compiled, and as_of and the duplicate check ride on the gateway_health
-#: write instead of a pass of their own. Above it, compiled code and the
+#: build is all fixed cost, so the files are decoded on the driver (no
+#: Python worker starts), expressions are interpreted rather than compiled,
+#: adaptive execution is off (no re-planning between query stages), and
+#: as_of and the duplicate check ride on the gateway_health write instead of
+#: a pass of their own. Above it, compiled code and the
 #: separate pass (which fills the collections cache before two writes share
 #: it) are faster: 6.3 M rows (35 MB of snapshots) took 108 s the tiny way,
 #: 76 s the other.
@@ -1229,12 +1256,16 @@ def _build(run: _Run) -> Result:
 
 def _small_conf(spark: SparkSession) -> dict[str, str | None]:
     """A tiny input (the build's fixed costs dominate): expressions are
-    interpreted rather than compiled. Compiling the generated Java of each
-    of the build's plans costs seconds in a fresh JVM and saves nothing on a
-    few thousand rows. Returns the previous values for _restore()."""
+    interpreted rather than compiled, and adaptive query execution is off.
+    Compiling the generated Java of each of the build's plans costs seconds
+    in a fresh JVM, and re-planning after each query stage a few tenths;
+    neither saves anything on a few thousand rows. Returns the previous
+    values for _restore()."""
     wanted = {
         "spark.sql.codegen.wholeStage": "false",
         "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+        "spark.sql.adaptive.enabled": "false",
+        "spark.sql.autoBroadcastJoinThreshold": "-1",
     }
     from edgebroker_tools.fleet import spark as fleet_spark
 
@@ -1257,8 +1288,9 @@ def _build_inputs(run: _Run, tiny: bool, new: list[InputFile], result: Result) -
     rep.begin("ingest")
     new_rows: DataFrame | None = None
     if new:
-        fleet_spark.ship_code(spark)
-        got = ingest(spark, fs, snapshots, new, opts.keep_damaged_stores)
+        if not tiny:
+            fleet_spark.ship_code(spark)
+        got = ingest(spark, fs, snapshots, new, opts.keep_damaged_stores, on_driver=tiny)
         if got.rows is not None:
             before = _ingest_conf(spark, new)
             try:
