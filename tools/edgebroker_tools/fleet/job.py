@@ -626,30 +626,34 @@ def health(coll: DataFrame, near: float) -> DataFrame:
 
     count = F.coalesce(F.col("sys_retained_count"), F.col("retained_count"))
     nbytes = F.coalesce(F.col("sys_retained_bytes"), F.col("retained_bytes"))
-    df = (
-        coll.withColumn("is_latest", F.col("collected_at") == latest)
-        .withColumn("refusals", refusals)
-        .withColumn("refusals_total", total)
-        .withColumn("retained_refusals", retained_refused)
-        .withColumn("retained_util", util(count, "limit_max_retained_messages"))
-        .withColumn("bytes_util", util(nbytes, "limit_store_budget_bytes"))
-        .withColumn("payload_util", util(F.col("max_payload_bytes"), "limit_max_payload_size"))
-        .withColumn("clients_util", util(F.col("clients_connected"), "limit_max_clients"))
-        # heap: the reserve over what is free (100%: the broker refuses connections)
-        .withColumn(
-            "heap_util",
-            F.when(
+    # three layers of withColumns (each a single analysis of the plan, not
+    # one per column: on a tiny input the planning is most of the cost)
+    df = coll.withColumns(
+        {
+            "is_latest": F.col("collected_at") == latest,
+            "refusals": refusals,
+            "refusals_total": total,
+            "retained_refusals": retained_refused,
+            "retained_util": util(count, "limit_max_retained_messages"),
+            "bytes_util": util(nbytes, "limit_store_budget_bytes"),
+            "payload_util": util(F.col("max_payload_bytes"), "limit_max_payload_size"),
+            "clients_util": util(F.col("clients_connected"), "limit_max_clients"),
+            # heap: the reserve over what is free (100%: the broker refuses connections)
+            "heap_util": F.when(
                 F.col("heap_free").isNotNull() & (F.col("limit_heap_reserve") > 0),
                 F.col("limit_heap_reserve") / F.greatest(F.col("heap_free"), F.lit(1)),
             ),
-        )
-        .withColumn("near_retained_limit", F.coalesce(F.col("retained_util") >= near, F.lit(False)))
-        .withColumn("near_payload_limit", F.coalesce(F.col("payload_util") >= near, F.lit(False)))
-        .withColumn("near_store_budget", F.coalesce(F.col("bytes_util") >= near, F.lit(False)))
-        .withColumn(
-            "low_heap",
-            F.coalesce(F.col("heap_free") < 2 * F.col("limit_heap_reserve"), F.lit(False)),
-        )
+            "low_heap": F.coalesce(
+                F.col("heap_free") < 2 * F.col("limit_heap_reserve"), F.lit(False)
+            ),
+        }
+    )
+    df = df.withColumns(
+        {
+            "near_retained_limit": F.coalesce(F.col("retained_util") >= near, F.lit(False)),
+            "near_payload_limit": F.coalesce(F.col("payload_util") >= near, F.lit(False)),
+            "near_store_budget": F.coalesce(F.col("bytes_util") >= near, F.lit(False)),
+        }
     )
     df = df.withColumn(
         "near_limit",
@@ -698,8 +702,11 @@ def history(obs: DataFrame, coll: DataFrame) -> DataFrame:
     # The hash first: the sort then compares longs, not long common prefixes.
     # _vh stands for the value's qos and properties (one lag, not four); the
     # payload itself is compared exactly.
-    rows = rows.withColumn("_k", F.xxhash64("gateway_id", "topic")).withColumn(
-        "_vh", F.xxhash64("qos", "content_type", "payload_format", "user_properties")
+    rows = rows.withColumns(
+        {
+            "_k": F.xxhash64("gateway_id", "topic"),
+            "_vh": F.xxhash64("qos", "content_type", "payload_format", "user_properties"),
+        }
     )
     w = Window.partitionBy("_k", "gateway_id", "topic").orderBy("collected_at")
     running = w.rowsBetween(Window.unboundedPreceding, Window.currentRow)
@@ -779,12 +786,16 @@ def fleet_state(
     df = (
         hist.where("is_latest")
         .join(F.broadcast(last), ["gateway_id"])
-        .withColumn("last_changed", F.col("valid_from"))
-        .withColumn("change_count", F.col("segment") - 1)
-        .withColumn("present", F.col("valid_to").isNull())
-        .withColumn("stale_reason", reason)
-        .withColumn("stale", F.col("stale_reason").isNotNull())
-        .withColumn("as_of", as_of_lit)
+        .withColumns(
+            {
+                "last_changed": F.col("valid_from"),
+                "change_count": F.col("segment") - 1,
+                "present": F.col("valid_to").isNull(),
+                "stale_reason": reason,
+                "stale": reason.isNotNull(),
+                "as_of": as_of_lit,
+            }
+        )
     )
     return df.select(*STATE_COLUMNS)
 
