@@ -689,6 +689,8 @@ class Bridge:
         self.sacks = False  # a lane has acknowledged entries to settle
         self.lacks = False
         self.nput = 0
+        self.wnow = -1.0  # the engine's now_s when wall was read
+        self.wall = 0
         self.rbuf = bytearray()
         self.connack = None
 
@@ -728,14 +730,20 @@ class Bridge:
                 self.dropped0 += 1
             return False
         tb = rt.encode()
-        pos = self.q.end
         if self.pace and not self.split:
             self._mark(tb)
+        pos = 0
         if r["mode"] == "latest":
             flags |= F_LATEST
-        if not self.q.append(qos, flags, exp, eb._wallclock() or 0, tb, msg[4], msg[2]):
+            pos = self.q.end
+        now = self.eng.now_s
+        if now != self.wnow:
+            # the wall clock once per turn (whole seconds: the queue's unit)
+            self.wnow = now
+            self.wall = eb._wallclock() or 0
+        if not self.q.append(qos, flags, exp, self.wall, tb, msg[4], msg[2]):
             return False
-        if flags & F_LATEST:
+        if pos:
             self._latest_at(tb, pos)
 
         if not self.durable:
