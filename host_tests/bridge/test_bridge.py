@@ -420,6 +420,46 @@ def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collec
 
 
 @ASYNC
+def test_inbound_and_outbound_at_once_lose_nothing(broker_factory, upstream, collector):
+    """Inbound PUBLISHes arrive while local traffic is forwarded: the link is
+    then serviced between local packets (Bridge.pump), which takes only
+    acknowledgements and leaves an inbound PUBLISH to the link task. Every
+    message arrives both ways, in order per topic."""
+    import threading
+
+    from mqtt_helpers import paho_client
+
+    up = upstream()
+    col = collector(up.port)
+    rules = OUT + [{"pattern": "cmd/#", "direction": "in", "qos": 1, "remote_prefix": "site1/gw1/"}]
+    gw = gateway(broker_factory, [bridge(up.port, rules)])
+    wait_connected(gw)
+    local = paho_client(gw.port, "local")
+    local.subscribe_wait("cmd/#", qos=1)
+    cloud = paho_client(up.port, "cloud")
+    inbound = [("site1/gw1/cmd/%d" % (i % 3), b"in %d" % i) for i in range(150)]
+    sent = [("sensors/%d" % (i % 4), b"out %d" % i) for i in range(600)]
+
+    def from_cloud():
+        for t, p in inbound:
+            cloud.publish_wait(t, p, qos=1)
+
+    th = threading.Thread(target=from_cloud)
+    th.start()
+    publish_many(gw.port, sent)
+    th.join(60)
+    want = {("site1/gw1/" + t, p) for t, p in sent}
+    assert wait_for(lambda: want <= arrived(col), 30), len(want - arrived(col))
+    check_all_in_order(col.get(), [("site1/gw1/" + t, p) for t, p in sent])
+    assert wait_for(lambda: len(local.get_messages()) >= len(inbound), 30), len(
+        local.get_messages())
+    downs = [(m.topic, m.payload) for m in local.get_messages()]
+    assert downs == [(t[len("site1/gw1/"):], p) for t, p in inbound]
+    local.close()
+    cloud.close()
+
+
+@ASYNC
 def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, collector, proxy):
     """The upstream stops while 2,000 QoS 1 messages are published locally
     (every one acknowledged locally), then starts again: every one arrives,
