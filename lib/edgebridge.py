@@ -301,6 +301,9 @@ class Queue:
         self.drop_oldest = drop_oldest
         self.ratio = ratio
         self.min_bytes = min_bytes
+        # an eighth of the budget, at most 64 KB, and at most what the
+        # flash model allows beyond it (budget x ratio: config check)
+        self.slack = min(budget >> 3, 65536, int(budget * ratio))
         self._log = log
         self.f = None
         self.wb = bytearray()  # appended, not yet written
@@ -497,6 +500,7 @@ class Queue:
     def commit(self, sync=True):
         """Writes the buffer (and a cursor record when it moved), flushes,
         fsyncs when sync: OSError on failure (the held acks are not sent)."""
+        drained = self.cursor >= self.end  # (before the cursor record below)
         if self.kdirty:
             self.kdirty = False
             self.wb.extend(record(T_CURSOR, pack(">II", self.cursor, self.seq)))
@@ -520,8 +524,14 @@ class Queue:
             self.rb_ok = True
         self.fend += n
         self.wb = bytearray()
+        # Compaction copies what is still queued: a drained queue goes as
+        # soon as min_bytes are dead (nothing to copy); with messages queued
+        # it also waits for `slack` dead bytes, so that a link that keeps up
+        # does not rewrite the file (fsync, rename) every few KB of flash
         dead = self.cursor - _HDR - 17
-        if dead >= self.min_bytes and dead >= self.ratio * self.fend:
+        if dead >= self.min_bytes and (
+            drained or (dead >= self.ratio * self.fend and dead >= self.slack)
+        ):
             self.compact()
 
     def compact(self):

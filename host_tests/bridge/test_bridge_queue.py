@@ -98,6 +98,21 @@ f.write(b"NOPE\x01\x00\x00\x00junk")
 f.close()
 b.Queue(d + "/bridge-bad.ebrq", 4096, False, 0.5, 4096, log)
 out["bad_moved"] = os.stat(d + "/bridge-bad.ebrq.bad")[6]
+# compaction while messages are queued waits for `slack` dead bytes (an
+# eighth of the budget: 8 KB here); a drained queue goes at min_bytes
+q5 = b.Queue(d + "/bridge-slack.ebrq", 1 << 16, True, 0.5, 1024, log)
+for i in range(60):
+    q5.append(1, 0, 0, 0, b"t/s", b"", b"x" * 100)  # 132-byte records
+q5.commit()
+pos = q5.cursor
+for i in range(50):
+    rt, body, pos = q5.read(pos)
+q5.advance(pos, 50)  # 6,600 dead bytes: over half the file, under the slack
+q5.commit()
+size_queued = os.stat(d + "/bridge-slack.ebrq")[6]
+q5.advance(q5.end, q5.count)
+q5.commit()
+out["slack"] = [q5.slack, size_queued, os.stat(d + "/bridge-slack.ebrq")[6], q5.count]
 print(json.dumps(out))
 '''
 
@@ -126,6 +141,9 @@ def test_queue_recovers_from_a_torn_tail_and_bounds_itself(tmp_path, exe):
     assert size < 64 and same_seq and moved == 1
     assert out["reopened"] == [0, True]
     assert out["bad_moved"] > 0
+    slack, size_queued, size_drained, count = out["slack"]
+    assert slack == 8192 and size_queued > 60 * 132  # not rewritten for 6,600 dead bytes
+    assert size_drained < 64 and count == 0  # drained: emptied at once
     # issue 10 item 8: the real console script reads the queue this
     # interpreter wrote (cursor, backlog, dead bytes) and checks it
     cli = [str(Path(sys.executable).parent / "edgebroker"), "store"]

@@ -475,7 +475,11 @@ second copy of the live records to <file>.new before the rename.
 ### Flash, bridges (any storage_type)
 
 Each bridge's queue file data/bridge-<name>.ebrq is compacted by the same
-rule (compact_ratio, compact_min_bytes) and counted with the store's peak:
+rule (compact_ratio, compact_min_bytes), and while messages are still queued
+only once min(queue_bytes / 8, 64 KB, queue_bytes x compact_ratio) bytes
+are dead (a link that keeps up does not rewrite the file every few KB; a
+drained queue is emptied at compact_min_bytes). Counted with the store's
+peak:
 
     queue  = max(queue_bytes / (1 - compact_ratio), compact_min_bytes + queue_bytes)
              + queue_bytes (.new)
