@@ -316,6 +316,7 @@ class Queue:
         self.moved = None  # callback(delta) after a compaction
         self.created = False  # a new file (no earlier state to resume)
         self.rb = None  # read-ahead: bytes of the file from rb_off
+        self.rbv = None  # a memoryview of rb (one, not one per record)
         self.rb_off = 0
         self.rb_ok = False  # rb is what this process wrote (no CRC check)
         self.seq = 0  # the next message's number
@@ -465,10 +466,10 @@ class Queue:
             blen = unpack_from(">I", rb, i + 1)[0]
             end = i + 9 + blen
             if end <= len(rb):
-                body = memoryview(rb)[i + 5 : i + 5 + blen]
+                body = self.rbv[i + 5 : i + 5 + blen]
                 if (
                     not self.rb_ok
-                    and _crc32(body, _crc32(memoryview(rb)[i : i + 5])) & _U32
+                    and _crc32(body, _crc32(self.rbv[i : i + 5])) & _U32
                     != unpack_from(">I", rb, i + 5 + blen)[0]
                 ):
                     return -1, None, pos + 9 + blen
@@ -480,6 +481,7 @@ class Queue:
             f = self.f
             f.seek(pos)
             self.rb = f.read(n)
+            self.rbv = memoryview(self.rb)
             self.rb_off = pos
             self.rb_ok = False
             blen = unpack_from(">I", self.rb, 1)[0]
@@ -520,6 +522,7 @@ class Queue:
             # what was just written is what the link sends next: keep it as
             # the read-ahead (trusted: it never left RAM, no CRC to check)
             self.rb = self.wb
+            self.rbv = memoryview(self.wb)
             self.rb_off = self.fend
             self.rb_ok = True
         self.fend += n
@@ -563,7 +566,7 @@ class Queue:
         g.close()
         f.close()
         _rename(new, path)
-        self.rb = None
+        self.rb = self.rbv = None
         delta = self.cursor - _HDR - 17
         self.f = open(path, "r+b")
         self.fend -= delta
@@ -938,7 +941,8 @@ class Bridge:
         inf = self.linf if live else self.inflight
         split = self.split
         wall = None
-        while len(self.inflight) + len(self.linf) < self.window and pos < q.fend:
+        room = self.window - len(self.inflight) - len(self.linf)
+        while room > 0 and pos < q.fend:
             paced = rate and pos < self.lstart
             if paced and self.tokens < 1:
                 break
@@ -998,6 +1002,7 @@ class Bridge:
                 e = [pid, at, nxt, 0, self.skipn + 1, qos, seq, 0]
                 self.skipn = 0
             inf.append(e)
+            room -= 1
             self.pids[pid] = e
             if qos == 2 and seq in q.rel:
                 # PUBREC came before a restart: only PUBREL is left (4.3.3)
