@@ -861,11 +861,16 @@ class Bridge:
         else:
             pv = b""
             plen = 0
-        n = 2 + len(tb) + (2 if qos else 0) + len(pv) + plen + len(payload)
+        tl = len(tb)
+        n = 2 + tl + (2 if qos else 0) + len(pv) + plen + len(payload)
         o = self.out
-        o.append(0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0))
-        o += eb.vbi(n) if n > 127 else bytes((n,))
-        o += pack(">H", len(tb))
+        first = 0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0)
+        if n < 128:
+            o += pack(">BBH", first, n, tl)  # the usual short packet: one pack
+        else:
+            o.append(first)
+            o += eb.vbi(n)
+            o += pack(">H", tl)
         o += tb
         if qos:
             o += pack(">H", pid)
