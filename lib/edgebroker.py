@@ -3942,8 +3942,8 @@ def load_modules(cfg):
     long-lived is allocated. Loading a .mpy makes temporary buffers; made
     after the broker's objects, they leave holes between them, and the
     heap has no block for a 3 KB index chunk with 20 KB free (measured on
-    a 32-bit port: the esp32 profile then needs a 118 KB heap; with its
-    modules imported first, 104 KB)."""
+    a 32-bit port: the esp32 profile then needed a 118 KB heap to start;
+    with its modules imported first, 108 KB)."""
     gc.collect()  # each module loads into one region, not around garbage
     if cfg["storage_type"] != "ram":
         import edgestore  # noqa: F401 (loaded now, used by open_store)

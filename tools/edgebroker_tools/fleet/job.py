@@ -20,8 +20,9 @@ commit protocol: schema.py):
    edgestore's reader for store files) or reports why not (an accumulator
    brings the per-file status back). A tiny input (TINY_INPUT_BYTES) is
    decoded the same way on the driver, from the same reader's bytes, and
-   handed to Spark as Arrow: no Python worker starts. The rows are kept in memory for the
-   steps below and written once, as this build's batch of _observations.
+   handed to Spark as Arrow: no Python worker starts. The rows are kept in
+   memory for the steps below and written once, as this build's batch of
+   _observations.
 3. Everything else is recomputed from all committed batches plus this
    one, so the tables depend on the set of rows ingested, never on the
    order of builds: a build over the same input gives the same tables, and
@@ -626,8 +627,8 @@ def health(coll: DataFrame, near: float) -> DataFrame:
 
     count = F.coalesce(F.col("sys_retained_count"), F.col("retained_count"))
     nbytes = F.coalesce(F.col("sys_retained_bytes"), F.col("retained_bytes"))
-    # three layers of withColumns (each a single analysis of the plan, not
-    # one per column: on a tiny input the planning is most of the cost)
+    # three layers of withColumns: one analysis of the plan each, not one
+    # per column (a column may only use those of an earlier layer)
     df = coll.withColumns(
         {
             "is_latest": F.col("collected_at") == latest,
