@@ -110,6 +110,7 @@ if hasattr(select.poll(), "ipoll"):
 
     def _pending(sock):
         return 0  # its poll already sees bytes the TLS layer holds
+# >>> host only: CPython (a board build leaves these lines out)
 else:
 
     def _poll(p, timeout):
@@ -153,6 +154,9 @@ else:
 
 def _tls_wants(e):
     return type(e).__name__ in ("SSLWantReadError", "SSLWantWriteError")
+
+
+# <<< host only
 
 
 def _der(path):
@@ -216,6 +220,7 @@ except AttributeError:  # CPython
         traceback.print_exception(e)
 
 
+# >>> host only: the command line (a board build leaves these lines out)
 try:  # CPython: SIGTERM stops the broker the way SIGINT does
     import signal as _signal
 
@@ -230,6 +235,7 @@ except ImportError:  # MicroPython: SIGINT raises KeyboardInterrupt already
 
     def _install_signals():
         pass
+# <<< host only
 
 
 # MicroPython's socket module names neither; these are Linux and lwIP values
@@ -342,6 +348,7 @@ def _asyncio():
                 for t in tasks:
                     if t is not None and (e[0] is t or e[1] is t):
                         t.cancel()
+    # >>> host only: CPython (a board build leaves these lines out)
     else:  # CPython
 
         def _done(fut):
@@ -378,6 +385,7 @@ def _asyncio():
             for t in tasks:
                 if t is not None and not t.done():
                     t.cancel()
+    # <<< host only
 
     _io_wait = _wait
     _io_forget = _forget
@@ -3990,6 +3998,8 @@ def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
 
 
 # --------------------------------------------------------------- 11. main
+# >>> host only: the host's command line (a board build leaves it out: a board
+# starts the broker with start(), firmware/gateway.py)
 def _parse_value(v):
     import json
 
@@ -4142,3 +4152,4 @@ def main(argv):
 
 if __name__ == "__main__":
     main(sys.argv)
+# <<< host only

