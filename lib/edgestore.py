@@ -135,32 +135,46 @@
 # the next. (Format 1 used CRC-32, which anyone can make collide: 7,500
 # colliding retained topics took 262 s of broker CPU, and a restart with
 # them 127 s, because every put and every open re-read each earlier record
-# with the same hash.) With a keyed hash the chains are as long as chance
-# makes them, about 4 slots a bucket, whatever topics are chosen. SHA-256
+# with the same hash.) With a keyed hash a lookup reads as many records as
+# chance puts beside its topic (below), whatever topics are chosen. SHA-256
 # is in hashlib on every MicroPython port's default build and in C:
 # 1.2 us a topic on the unix port (CRC-32: 0.25 us). A build without
 # hashlib falls back to CRC-32, whose collisions no key hides.
 #
 # ---------------------------------------------------------------- MEMORY
-# Slots are numbered; slot s lives in chunk s >> 8 of an index made of
-# array('I') chunks of 256 slots x 3 words: topic hash (30 bits: 10 bits of
-# the first level's hash above 20 bits of the topic's hash), file offset of
-# the record (bit 29 = the message has a lifetime) and the hash-chain link.
-# Buckets (about 4 slots each) are array('I') chunks too. Nothing grows as
-# one large block: on MicroPython a large contiguous allocation is what fails
-# first. Chunks are preallocated for `capacity` at open (when the heap is
-# calm) and added one at a time beyond it. "disc_only" keeps only this index:
-# 12 bytes per slot + about 1 for its bucket (measured: 14.8 bytes of heap
-# per retained message at 2,000, 64-bit unix port); a get() reads the record
-# (verifying topic and CRC). "disc" adds one list chunk per 256
-# slots holding the message tuples, so reads never touch flash.
-# Iterators walk slot numbers, so puts, deletes, bucket growth and even
-# compaction (which changes offsets, never slots) during a long delivery
-# never invalidate them: an entry present throughout keeps its slot and is
-# yielded once; one added behind the cursor is missed (it went out live).
-# So compaction needs no open-iterator count and is never deferred.
-# A filter with a literal first level reads only the records whose
-# first-level hash matches; a leading wildcard reads them all.
+# The index is one array of entries sorted by hash, one entry per retained
+# message and nothing else per message: "disc_only" costs 4 bytes of heap
+# a message on every port (an array('I') word, the same on 32 and 64 bits).
+# An entry is  tag << 22 | file offset << 1 | lifetime flag  (a small int
+# on a 32-bit port: below 2 ** 30): 8 bits of the topic's hash, the offset
+# of its PUT record (21 bits: files below 2 MB) and whether the message has
+# a lifetime. A directory of 256 groups (another 8 bits of the hash) holds
+# where each group starts: 1 KB whatever the capacity. A lookup goes to its
+# group, binary-searches the tag and reads the record of each entry with
+# that tag (the topic and length, then the CRC on a get): 16 bits of hash
+# in all, so at 5,000 messages about one lookup in 13 reads a record of
+# another topic. A new topic's entry goes in at the end of its tag run
+# (a memmove of the entries behind it, in C, plus one add per later group);
+# a replaced one moves to the end of its run: inside a group the entries
+# stay in (tag, offset) order. The whole array is preallocated for
+# `capacity` at open (when the heap is calm), so it never asks for a large
+# block later; a capacity from 16,384 on (a host) starts at 16,384 entries,
+# 0 (no limit) at 1,024, and both grow by half (a file holding more than
+# capacity also grows it, once, to what its first records predict). There
+# the entries are array('Q') words with a 20-bit tag, one group and 40
+# offset bits; a narrow index whose file passes 2 MB is widened the same way.
+# "disc" adds a list of the message tuples in index order (preallocated too:
+# a list grown by appends asks for a block twice its size), so reads never
+# touch flash.
+# Iterators (match, messages) walk the index in order; when the store
+# changed while the caller held a message, the walk finds its place again by
+# the tag run of the last entry it gave, skipping the topics of that run it
+# gave already. So puts, deletes and compaction (which rewrites offsets and
+# keeps the order) during a long delivery never make it miss an entry
+# present throughout or give one twice; one added behind the cursor is
+# missed (it went out live). Compaction needs no open-iterator count and is
+# never deferred. A filter with a wildcard reads each record's topic (two
+# small reads) and the whole record only when the topic matches.
 
 # ---------------------------------------------------------------- 1. compat
 import binascii
@@ -206,16 +220,29 @@ def _new_key():
 _fsync = getattr(os, "fsync", None)  # CPython; MicroPython flush() syncs
 _rename = getattr(os, "replace", os.rename)  # CPython's os.rename may not replace
 
-try:  # MicroPython: an array from raw zero bytes (no list of ints made)
-    array("I", bytes(4))
+_probe = array("I")
+_probe.extend(memoryview(bytes(4)))
+if len(_probe) == 1:  # MicroPython: extend() takes raw bytes as words
 
-    def _zeros(n):
-        return array("I", bytes(n * 4))
-except TypeError:  # CPython refuses bytes for 'I'
+    def _zeros(n, wide=False):
+        # an array grown from raw zero bytes, 1 KB at a time: no list of
+        # ints, and no temporary as large as the array (the index is one
+        # block of up to 64 KB, made at open while the heap is calm)
+        a = array("Q" if wide else "I")
+        z = memoryview(bytes(1024))
+        k = n * (8 if wide else 4)
+        while k > 0:
+            c = 1024 if k > 1024 else k
+            a.extend(z[:c])
+            k -= c
+        return a
+else:  # CPython: extend() takes bytes as ints
 
-    def _zeros(n):
-        return array("I", [0]) * n
+    def _zeros(n, wide=False):
+        return array("Q" if wide else "I", [0]) * n
 
+
+del _probe
 
 if _fsync is not None and hasattr(os, "O_RDONLY"):
 
@@ -314,7 +341,6 @@ CLOCK_SIZE = const(17)
 
 EV_BAD = const(-1)  # replay() events beyond the record types
 EV_TORN = const(-2)
-INDEX_CHUNK = const(256)  # index slots per chunk (the host tools' heap model)
 
 # A message, as the broker hands it over and takes it back: a tuple whose
 # slots are edgebroker's _M_* (the same names and numbers; a test pins them).
@@ -335,19 +361,11 @@ _PAST = const(4)  # _check(): its length runs past the end
 _CHUNK = const(512)  # the largest read made before a CRC vouches for a length
 _KNOWN = (b"P", b"D", b"C")
 
-_CH = const(256)  # slots per index chunk
-_CH2 = const(512)
-_BCH = const(1024)  # buckets per bucket chunk
-_OEXP = const(0x20000000)  # offset word: the message has a lifetime
-_OFFM = const(0x1FFFFFFF)  # offset word: file offset (files up to 512 MB)
+_GROUPS = const(256)  # index directory groups (capacities below _BIG)
+_BIG = const(16384)  # a capacity from here on (or 0) gets one group, wide entries
+_NARROW = const(21)  # offset bits of an entry in array('I'): files below 2 MB
+_WIDE = const(40)  # offset bits of an entry in array('Q')
 _U32 = const(0xFFFFFFFF)
-
-
-def _buckets(nb):
-    # hash buckets as 1,024-word array chunks: no large contiguous block
-    if nb <= _BCH:
-        return [_zeros(nb)]
-    return [_zeros(_BCH) for _ in range(nb // _BCH)]
 
 
 if _sha256 is not None:
@@ -728,53 +746,38 @@ class FlashStore:
         self._undo = None
         self._skip = 0  # dead bytes below which compaction waits (after a failure)
         self._flen = 0  # body length of the record _find last verified
-        self._sweep = 0
-        # the index
-        # Board capacities (hundreds to a few thousand) are preallocated in
-        # full at this calm moment; a host-sized one (100,000) is not: its
-        # first 4,096 slots are, the rest come a chunk at a time, and buckets
-        # stop at 16,384 (longer chains past 65,536 messages).
-        nb = 16
-        while nb * 4 < capacity and nb < 16384:
-            nb *= 2
-        self._nb = nb
-        self._bk = None
-        self._alloc_buckets()
-        self._ix = []
-        self._msgs = [] if mode == "disc" else None
-        for _ in range((min(capacity, 4096) + _CH - 1) // _CH):
-            self._add_chunk()
-        self._hi = 0  # slots ever used
-        self._free = 0  # first free slot + 1 (a list through the link words)
+        self._sweep = 0  # expire()'s next position
+        # the index (MEMORY): sorted entries in one array, a directory of
+        # groups. A board's capacity (up to 16,383) is preallocated in full
+        # at this calm moment; a larger one starts at 16,384 entries, 0 (no
+        # limit) at 1,024, and both grow by half when full.
+        if 0 < capacity < _BIG:
+            self._dir = _zeros(_GROUPS + 1)
+            self._ob = _NARROW
+            self._tsh = 16  # tag: hash bits 16-23 (the group: bits 0-7)
+            self._tmask = 255
+            n = capacity
+        else:
+            self._dir = _zeros(2)  # one group: the tag is the whole hash
+            self._ob = _WIDE
+            self._tsh = 4  # tag: hash bits 4-23 (entries stay below 2 ** 61)
+            self._tmask = 0xFFFFF
+            n = _BIG if capacity else 1024
+        self._ix = _zeros(n, self._ob > _NARROW)
+        self._ixv = memoryview(self._ix)
+        self._n = 0  # entries in use
+        self._mods = 0  # changes of positions or entries (iterators resync)
+        # "disc": the messages, in index order, in a list preallocated like
+        # the index (a list grown by appends asks for a block twice its size:
+        # what a fragmented MicroPython heap cannot give)
+        self._msgs = [None] * n if mode == "disc" else None
+        self._ro = 0  # read_only: the last fake offset handed out
         self._open()
 
     # ------------------------------------------------------------ helpers
     def _log(self, level, text):
         if self._logf is not None:
             self._logf(level, text)
-
-    def _th(self, tb):
-        """30-bit index hash of topic bytes: 10 bits of the first level's
-        keyed hash above 20 bits of the whole topic's (INDEX HASH)."""
-        i = tb.find(b"/")
-        c = _kh(self._key, tb)
-        f = c if i < 0 else _kh(self._key, tb[:i])
-        return (f & 0x3FF) << 20 | (c & 0xFFFFF)
-
-    def _fh(self, level):
-        # the first-level part of _th() for a filter's first level
-        return _kh(self._key, level.encode()) & 0x3FF
-
-    def _alloc_buckets(self):
-        self._bk = _buckets(self._nb)
-
-    def _add_chunk(self):
-        # both allocations first: a MemoryError leaves the index as it was
-        c = _zeros(3 * _CH)
-        m = [None] * _CH if self._msgs is not None else None
-        self._ix.append(c)
-        if m is not None:
-            self._msgs.append(m)
 
     def _wall(self):
         w = self._wallf()
@@ -848,107 +851,181 @@ class FlashStore:
         _, flags, rem, st, wall = unpack_from(">BBIII", self._pread(off + 7 + tl, 14), 0)
         return unpack_from(">I", h, 1)[0] + 9, flags, rem, st, wall
 
-    def _find(self, tb, th):
-        # slot of topic bytes tb (hash th) or -1; disc_only leaves the
-        # record's body length in _flen
-        b = th & (self._nb - 1)
-        s = self._bk[b >> 10][b & 1023] - 1
+    def _th(self, tb):
+        """24-bit keyed hash of topic bytes (INDEX HASH)."""
+        return _kh(self._key, tb)
+
+    def _lb(self, g, v):
+        # first position of group g whose entry is >= v (a group's entries
+        # are in increasing order: by tag, then by file offset)
+        ix = self._ix
+        lo = self._dir[g]
+        hi = self._dir[g + 1]
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if ix[mid] < v:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _group(self, p):
+        # the group holding position p: the first g with dir[g + 1] > p
+        d = self._dir
+        lo = 0
+        hi = len(d) - 2
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if d[mid + 1] > p:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _off(self, e):
+        # the file offset of entry e
+        return e >> 1 & ((1 << self._ob) - 1)
+
+    def _find(self, tb):
+        """Position of topic bytes tb, or -1. Leaves the topic's group and
+        tag in _fg/_ft and, when absent, where its entry would go in _fp
+        (the end of its tag run); disc_only also the record's body length
+        in _flen."""
+        h = self._th(tb)
+        g = h & (len(self._dir) - 2)
+        t = h >> self._tsh & self._tmask
+        ts = self._ob + 1
+        self._fg = g
+        self._ft = t
+        p = self._lb(g, t << ts)
+        end = self._dir[g + 1]
         ix = self._ix
         msgs = self._msgs
         tl = len(tb)
-        while s >= 0:
-            c = ix[s >> 8]
-            k = s & 255
-            if c[k] == th:
-                if msgs is not None:
-                    if msgs[s >> 8][k][_M_TB] == tb:
-                        return s
-                else:
-                    off = c[_CH + k] & _OFFM
-                    h = self._pread(off, 7 + tl)
-                    if len(h) == 7 + tl and h[5] << 8 | h[6] == tl and h[7:] == tb:
-                        self._flen = unpack_from(">I", h, 1)[0]
-                        return s
-            s = c[_CH2 + k] - 1
+        while p < end:
+            e = ix[p]
+            if e >> ts != t:
+                break
+            if msgs is not None:
+                if msgs[p][_M_TB] == tb:
+                    return p
+            else:
+                r = self._pread(self._off(e), 7 + tl)
+                if len(r) == 7 + tl and r[5] << 8 | r[6] == tl and r[7:] == tb:
+                    self._flen = unpack_from(">I", r, 1)[0]
+                    return p
+            p += 1
+        self._fp = p
         return -1
 
-    def _size_of(self, s):
-        # record bytes of the live slot s
+    def _entry(self, off, exp):
+        # the entry of the topic _find() last looked for, its record at off
+        return self._ft << (self._ob + 1) | off << 1 | exp
+
+    def _size_of(self, p):
+        # record bytes of the entry at position p
         if self._msgs is not None:
-            m = self._msgs[s >> 8][s & 255]
+            m = self._msgs[p]
             return PUT_OVERHEAD + len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
-        h = self._pread(self._ix[s >> 8][_CH + (s & 255)] & _OFFM, 5)
+        h = self._pread(self._off(self._ix[p]), 5)
         return unpack_from(">I", h, 1)[0] + 9
 
-    def _new_slot(self, th):
-        s = self._free - 1
-        if s >= 0:
-            self._free = self._ix[s >> 8][_CH2 + (s & 255)]
-        else:
-            s = self._hi
-            if s >> 8 >= len(self._ix):
-                self._add_chunk()
-            self._hi = s + 1
-        self._link(s, th)
-        return s
+    def _room(self, end, want=0):
+        """Before a write that may reach file offset end: one more entry
+        fits (growing to `want` entries, or by half), and end fits an
+        entry's offset bits. May raise MemoryError; nothing has changed
+        then."""
+        if self._n >= len(self._ix):
+            n = len(self._ix)
+            self._resize(max(n + (n >> 1), want), self._ob)
+        if end >> self._ob and self._ob == _NARROW:
+            self._resize(len(self._ix), _WIDE)
 
-    def _link(self, s, th):
-        # slot s takes hash th and goes to the head of its chain
-        c = self._ix[s >> 8]
-        k = s & 255
-        c[k] = th
-        b = th & (self._nb - 1)
-        bc = self._bk[b >> 10]
-        c[_CH2 + k] = bc[b & 1023]
-        bc[b & 1023] = s + 1
-
-    def _unlink(self, s):
-        # takes slot s out of its chain and onto the free list
-        ix = self._ix
-        c = ix[s >> 8]
-        k = s & 255
-        b = c[k] & (self._nb - 1)
-        bc = self._bk[b >> 10]
-        nxt = c[_CH2 + k]
-        p = bc[b & 1023] - 1
-        if p == s:
-            bc[b & 1023] = nxt
+    def _resize(self, n, ob):
+        # a new entry array of n entries and ob offset bits (same order)
+        wide = ob > _NARROW
+        a = _zeros(n, wide)  # MemoryError here: nothing changed
+        k = self._n
+        if ob == self._ob:
+            memoryview(a)[:k] = self._ixv[:k]
         else:
-            while p >= 0:
-                pc = ix[p >> 8]
-                n = pc[_CH2 + (p & 255)] - 1
-                if n == s:
-                    pc[_CH2 + (p & 255)] = nxt
-                    break
-                p = n
-        c[k] = 0
-        c[_CH + k] = 0
-        c[_CH2 + k] = self._free
-        self._free = s + 1
+            ix = self._ix
+            lo = (1 << (self._ob + 1)) - 1
+            sh = ob - self._ob
+            for i in range(k):
+                e = ix[i]
+                a[i] = (e & ~lo) << sh | (e & lo)
+            u = self._undo  # its entry values too (rollback finds entries by value)
+            if u is not None:
+                for i in range(1, len(u)):
+                    g, new, old, m = u[i]
+                    if new >= 0:
+                        new = (new & ~lo) << sh | (new & lo)
+                    if old >= 0:
+                        old = (old & ~lo) << sh | (old & lo)
+                    u[i] = (g, new, old, m)
+        if self._msgs is not None and n > len(self._msgs):
+            self._msgs.extend([None] * (n - len(self._msgs)))
+        self._ix = a
+        self._ixv = memoryview(a)
+        self._ob = ob
+
+    def _insert(self, p, g, e, m):
+        # entry e (message m in "disc") goes in at position p of group g;
+        # _room() made space for it
+        n = self._n
+        v = self._ixv
+        if p < n:
+            v[p + 1 : n + 1] = v[p:n]  # memmove (overlap-safe on both)
+        self._ix[p] = e
+        self._n = n + 1
+        d = self._dir
+        for j in range(g + 1, len(d)):
+            d[j] += 1
         if self._msgs is not None:
-            self._msgs[s >> 8][k] = None
+            self._msgs.pop()  # a spare None off the end: the list never grows here
+            self._msgs.insert(p, m)
+        self._mods += 1
 
-    def _unfree(self, s):
-        # takes the free slot s off the free list (undo of a delete)
+    def _remove(self, p, g):
+        # takes the entry at position p (of group g) out
+        n = self._n - 1
+        v = self._ixv
+        if p < n:
+            v[p:n] = v[p + 1 : n + 1]
+        self._ix[n] = 0
+        self._n = n
+        d = self._dir
+        for j in range(g + 1, len(d)):
+            d[j] -= 1
+        if self._msgs is not None:
+            self._msgs.pop(p)
+            self._msgs.append(None)
+        self._mods += 1
+
+    def _set(self, p, g, e, m):
+        # the entry at p (group g) becomes e: the same tag and a later
+        # record, so it moves to the end of its tag run (the order holds)
         ix = self._ix
-        nxt = ix[s >> 8][_CH2 + (s & 255)]
-        p = self._free - 1
-        if p == s:
-            self._free = nxt
-            return
-        while p >= 0:
-            pc = ix[p >> 8]
-            n = pc[_CH2 + (p & 255)] - 1
-            if n == s:
-                pc[_CH2 + (p & 255)] = nxt
-                return
-            p = n
+        msgs = self._msgs
+        end = self._dir[g + 1]
+        ts = self._ob + 1
+        t = e >> ts
+        while p + 1 < end and ix[p + 1] >> ts == t:
+            ix[p] = ix[p + 1]
+            if msgs is not None:
+                msgs[p] = msgs[p + 1]
+            p += 1
+        ix[p] = e
+        if msgs is not None:
+            msgs[p] = m
+        self._mods += 1
 
-    def _forget(self, s, size):
-        # the slot's message is gone (delete, expiry, drop): counters + unlink
-        if self._ix[s >> 8][_CH + (s & 255)] & _OEXP:
+    def _forget(self, p, g, size):
+        # the entry's message is gone (delete, expiry, drop): counters + out
+        if self._ix[p] & 1:
             self._nexp -= 1
-        self._unlink(s)
+        self._remove(p, g)
         self.count -= 1
         self._live -= size
         self.nbytes -= size - PUT_OVERHEAD
@@ -958,18 +1035,11 @@ class FlashStore:
         if self._undo is None:
             self._undo = [(self.count, self.nbytes, self._live, self._nexp, self._fend)]
 
-    def _note(self, s, new):
-        # records how to undo a change of slot s (FAILURES): new = the slot
-        # was empty before; else its hash, offset word and message
+    def _note(self, g, new, old, m):
+        # how to undo a change in group g (FAILURES): the entry is now new
+        # (-1: gone) and was old (-1: absent) with message m ("disc")
         self._begin()
-        if new:
-            self._undo.append((s, -1, 0, None))
-        else:
-            c = self._ix[s >> 8]
-            k = s & 255
-            self._undo.append(
-                (s, c[k], c[_CH + k], self._msgs[s >> 8][k] if self._msgs is not None else None)
-            )
+        self._undo.append((g, new, old, m))
 
     def _durable(self):
         # everything in RAM is in the file, synced: the rollback point
@@ -977,31 +1047,26 @@ class FlashStore:
 
     def _rollback(self):
         """Back to the last durable state after a failed write: the index
-        (undone change by change, newest first), the counters, the logical
-        end of the file. The bytes after it are unknown (torn): the next
-        write rewrites the file first. The file is opened again, so that
-        nothing a failed write left buffered is retried (CPython's buffered
-        files retry it at every seek, which made reads fail)."""
+        (undone change by change, newest first, by entry value: positions
+        move), the counters, the logical end of the file. The bytes after
+        it are unknown (torn): the next write rewrites the file first. The
+        file is opened again, so that nothing a failed write left buffered
+        is retried (CPython's buffered files retry it at every seek, which
+        made reads fail)."""
         u = self._undo
         self._undo = None
         if u is None:
             u = [(self.count, self.nbytes, self._live, self._nexp, self._fend)]
-        ix = self._ix
-        msgs = self._msgs
         i = len(u)
         while i > 1:
             i -= 1
-            s, th, o, m = u[i]
-            c = ix[s >> 8]
-            k = s & 255
-            if c[_CH + k]:
-                self._unlink(s)
-            if th >= 0:
-                self._unfree(s)
-                self._link(s, th)
-                c[_CH + k] = o
-                if msgs is not None:
-                    msgs[s >> 8][k] = m
+            g, new, old, m = u[i]
+            if new >= 0:
+                p = self._lb(g, new)
+                if p < self._dir[g + 1] and self._ix[p] == new:
+                    self._remove(p, g)
+            if old >= 0:
+                self._insert(self._lb(g, old), g, old, m)
         self.count, self.nbytes, self._live, self._nexp, self._fend = u[0]
         self._wn = 0
         self._torn = True
@@ -1019,34 +1084,48 @@ class FlashStore:
             except OSError as e:
                 self._log("error", "%s: cannot reopen (%r)" % (self.path, e))
 
-    def _rethread(self):
-        # rebuilds every chain and the free list from the hash and offset
-        # words (after compaction used the link words, or the buckets grew)
-        for bc in self._bk:
-            for j in range(len(bc)):
-                bc[j] = 0
-        ix = self._ix
-        bk = self._bk
-        m = self._nb - 1
-        free = 0
-        for s in range(self._hi - 1, -1, -1):
-            c = ix[s >> 8]
-            k = s & 255
-            if c[_CH + k]:
-                b = c[k] & m
-                bc = bk[b >> 10]
-                c[_CH2 + k] = bc[b & 1023]
-                bc[b & 1023] = s + 1
-            else:
-                c[_CH2 + k] = free
-                free = s + 1
-        self._free = free
+    def _topic_at(self, e):
+        # disc_only: the topic bytes of entry e's record (two small reads)
+        off = self._off(e)
+        h = self._pread(off, 7)
+        if len(h) != 7:
+            return None
+        return self._pread(off + 7, h[5] << 8 | h[6])
 
-    def _grow_buckets(self):
-        bk = _buckets(self._nb * 2)  # may raise MemoryError: nothing changed yet
-        self._nb *= 2
-        self._bk = bk
-        self._rethread()
+    def _walk(self):
+        """(position, topic bytes) of every entry in index order, safe while
+        the store changes between steps (MEMORY): after a change the walk
+        starts again at its tag run and skips the topics of the run it gave
+        already."""
+        g = 0
+        p = 0
+        mods = self._mods
+        t = -1  # the tag of the run being walked
+        done = []  # its topics given so far
+        msgs = self._msgs
+        while self._f is not None:
+            d = self._dir
+            ts = self._ob + 1
+            if mods != self._mods:
+                mods = self._mods
+                if t >= 0:
+                    p = self._lb(g, t << ts)
+            while g < len(d) - 1 and p >= d[g + 1]:
+                g += 1
+                t = -1
+            if g >= len(d) - 1:
+                return
+            e = self._ix[p]
+            p += 1
+            tb = msgs[p - 1][_M_TB] if msgs is not None else self._topic_at(e)
+            if e >> ts != t:
+                t = e >> ts
+                done = []
+            elif tb in done:
+                continue
+            if tb is not None:
+                done.append(tb)
+                yield p - 1, tb
 
     # ------------------------------------------------------------ writing
     def _write(self, data):
@@ -1077,7 +1156,8 @@ class FlashStore:
         # appends a record; returns its logical offset, or -1 when it cannot
         # be written (the error waits in _fail for commit(): FAILURES)
         if self.read_only:
-            return 1  # RAM only: a non-zero offset word that is never read
+            self._ro += 1  # RAM only: an offset never read, unique, increasing
+            return self._fend + self._ro
         if self._fail is not None:
             return -1
         blen = 0
@@ -1130,11 +1210,10 @@ class FlashStore:
     def get(self, topic):
         if self._f is None:
             return None
-        tb = topic.encode()
-        s = self._find(tb, self._th(tb))
-        if s < 0:
+        p = self._find(topic.encode())
+        if p < 0:
             return None
-        return self._load(s, -1 if self._msgs is not None else self._flen)
+        return self._load(p, -1 if self._msgs is not None else self._flen)
 
     def put(self, topic, msg):
         if self._f is None:
@@ -1142,42 +1221,36 @@ class FlashStore:
         if self._fail is not None:
             return  # refused: commit() raises the write error (FAILURES)
         tb = msg[_M_TB]
-        th = self._th(tb)
-        s = self._find(tb, th)
-        old = -1
-        if s >= 0:
-            old = self._size_of(s) if self._msgs is not None else self._flen + 9
-        if s < 0 and self._free == 0 and self._hi >> 8 >= len(self._ix):
-            self._add_chunk()  # before anything is written (MemoryError-safe)
+        size = PUT_OVERHEAD + len(tb) + len(msg[_M_PROPS]) + len(msg[_M_PAYLOAD])
+        # room first: a MemoryError leaves nothing half done
+        self._room(self._fend + self._wn + self._ro + size)
+        nc = self.compactions
+        p = self._find(tb)
         parts, flags = self._parts(msg, self._stime())
         off = self._emit(T_PUT, parts)
         if off < 0:
             return
-        size = PUT_OVERHEAD + len(tb) + len(msg[_M_PROPS]) + len(msg[_M_PAYLOAD])
-        if s >= 0:
-            self._note(s, False)
-            c = self._ix[s >> 8]
-            if c[_CH + (s & 255)] & _OEXP:
+        if nc != self.compactions:
+            p = self._find(tb)  # _emit compacted first (a torn tail): entries moved
+        x = 1 if flags & F_EXP else 0
+        e = self._entry(off, x)
+        g = self._fg
+        if p >= 0:
+            old = self._size_of(p) if self._msgs is not None else self._flen + 9
+            o = self._ix[p]
+            self._note(g, e, o, self._msgs[p] if self._msgs is not None else None)
+            if o & 1:
                 self._nexp -= 1
+            self._set(p, g, e, msg)
             self._live += size - old
             self.nbytes += size - old
         else:
-            s = self._new_slot(th)
-            self._note(s, True)
-            c = self._ix[s >> 8]
+            self._insert(self._fp, g, e, msg)
+            self._note(g, e, -1, None)
             self.count += 1
             self._live += size
             self.nbytes += size - PUT_OVERHEAD
-        c[_CH + (s & 255)] = off | (_OEXP if flags & F_EXP else 0)
-        if flags & F_EXP:
-            self._nexp += 1
-        if self._msgs is not None:
-            self._msgs[s >> 8][s & 255] = msg
-        if self.count > 4 * self._nb and self._nb < 0x100000:
-            try:
-                self._grow_buckets()
-            except MemoryError:
-                pass  # longer hash chains, nothing lost; tried again later
+        self._nexp += x
 
     def delete(self, topic):
         if self._f is None:
@@ -1185,59 +1258,65 @@ class FlashStore:
         if self._fail is not None:
             return True  # refused: the acknowledgement waits for commit(), which raises
         tb = topic.encode()
-        s = self._find(tb, self._th(tb))
-        if s < 0:
+        p = self._find(tb)
+        if p < 0:
             return False  # nothing written: no wear for a no-op
-        size = self._size_of(s) if self._msgs is not None else self._flen + 9
+        size = self._size_of(p) if self._msgs is not None else self._flen + 9
+        nc = self.compactions
         if self._emit(T_DEL, (tb,)) < 0:
             return True
-        self._note(s, False)
-        self._forget(s, size)
+        if nc != self.compactions:
+            p = self._find(tb)  # _emit compacted first (a torn tail): entries moved
+            if p < 0:
+                return True  # compaction dropped it (expired)
+            size = self._size_of(p) if self._msgs is not None else self._flen + 9
+        g = self._fg
+        self._note(g, -1, self._ix[p], self._msgs[p] if self._msgs is not None else None)
+        self._forget(p, g, size)
         return True
 
     def match(self, flevels):
-        first = flevels[0]
-        if first == "+" or first == "#":
-            fh = -1
-        elif "+" in flevels or "#" in flevels:
-            fh = self._fh(first)
-        else:
+        if "+" not in flevels and "#" not in flevels:
             m = self.get("/".join(flevels))
             if m is not None:
                 yield m
             return
-        s = 0
-        while self._f is not None and s < self._hi:
-            c = self._ix[s >> 8]
-            k = s & 255
-            if c[_CH + k] and (fh < 0 or c[k] >> 20 == fh):
-                m = self._load(s)
-                if m is not None and _matches(flevels, m[_M_TOPIC]):
+        msgs = self._msgs
+        for p, tb in self._walk():
+            if msgs is not None:
+                m = msgs[p]
+                if _matches(flevels, m[_M_TOPIC]):
                     yield m
-            s += 1
-
-    def messages(self):
-        """Every message, in slot order (same safety as match())."""
-        s = 0
-        while self._f is not None and s < self._hi:
-            if self._ix[s >> 8][_CH + (s & 255)]:
-                m = self._load(s)
+                continue
+            try:
+                topic = str(tb, "utf-8")
+            except UnicodeError:
+                continue
+            if _matches(flevels, topic):  # the record is read only then
+                m = self._load(p)
                 if m is not None:
                     yield m
-            s += 1
 
-    def _load(self, s, blen=-1):
+    def messages(self):
+        """Every message, in index order (same safety as match())."""
+        for p, _ in self._walk():
+            m = self._load(p)
+            if m is not None:
+                yield m
+
+    def _load(self, p, blen=-1):
         if self._msgs is not None:
-            return self._msgs[s >> 8][s & 255]
-        r = self._raw(self._ix[s >> 8][_CH + (s & 255)] & _OFFM, blen)
+            return self._msgs[p]
+        off = self._off(self._ix[p])
+        r = self._raw(off, blen)
         if r is None:
-            self._log("error", "retained record of slot %d unreadable (bad CRC)" % s)
+            self._log("error", "retained record at %d unreadable (bad CRC)" % off)
             return None
         rest = r[1]
-        p = decode_put(rest, len(rest) - 4)
-        if p is None or r[0][0] != T_PUT:
+        q = decode_put(rest, len(rest) - 4)
+        if q is None or r[0][0] != T_PUT:
             return None
-        tb, qos, flags, rem, st, wall, props, payload = p
+        tb, qos, flags, rem, st, wall, props, payload = q
         try:
             topic = str(tb, "utf-8")
         except UnicodeError:
@@ -1254,40 +1333,44 @@ class FlashStore:
 
     def expire(self, now, budget):
         """Drops messages whose deadline has passed, looking at `budget`
-        slots per call and resuming where the last call stopped (bounded
+        entries per call and resuming where the last call stopped (bounded
         work per call; disc_only reads the head of flagged records only).
         It also makes pending writes durable and records a CLOCK marker when
         one is due, so QoS 0 retained changes reach flash within a tick."""
         removed = 0
         if self._f is None:
             return 0
-        s = self._sweep
-        ix = self._ix
+        p = self._sweep
         msgs = self._msgs
         for _ in range(budget):
-            if s >= self._hi:
-                s = 0
+            if p >= self._n:
+                p = 0
                 break
-            o = ix[s >> 8][_CH + (s & 255)]
-            if o & _OEXP:
+            o = self._ix[p]
+            if o & 1:
                 if msgs is not None:
-                    m = msgs[s >> 8][s & 255]
+                    m = msgs[p]
                     gone = m[_M_EXP] <= now
                     size = PUT_OVERHEAD + len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
                 else:
-                    size, flags, rem, st, wall = self._head(o & _OFFM)
+                    size, flags, rem, st, wall = self._head(self._off(o))
                     gone = self._deadline(st, rem, wall) <= now
-                    m = self._load(s) if gone else None
+                    m = self._load(p) if gone else None
                 if gone:
                     # a DEL makes the expiry durable: without a set clock a
                     # reopen could not tell that the lifetime had passed (E4)
+                    nc = self.compactions
                     if m is not None:
                         self._emit(T_DEL, (m[_M_TB],))
-                    self._note(s, False)
-                    self._forget(s, size)
+                    if nc != self.compactions:
+                        break  # compacted first: the expired are gone, positions moved
+                    g = self._group(p)
+                    self._note(g, -1, o, m if msgs is not None else None)
+                    self._forget(p, g, size)
                     removed += 1
-            s += 1
-        self._sweep = s
+                    continue  # the next entry moved to p
+            p += 1
+        self._sweep = p
         if (
             self._wn
             or self._unsynced
@@ -1367,8 +1450,9 @@ class FlashStore:
     def compact(self):
         """Writes every live record to <path>.new (streaming, one record at
         a time), appends a CLOCK marker, syncs, closes and renames it over
-        the file. Offsets change, slots do not: open iterators stay valid.
-        Expired messages and unreadable records are dropped on the way.
+        the file. Offsets change, the order of the index does not; expired
+        messages and unreadable records are dropped on the way (open
+        iterators find their place again: MEMORY).
         When opening found bytes it could not parse, the old file is kept as
         <path>.bad instead of being replaced (never drop them without a copy)."""
         f = self._f
@@ -1379,45 +1463,45 @@ class FlashStore:
         fs = self._fs
         path = self.path
         new = path + ".new"
-        ix = self._ix
         msgs = self._msgs
         now = self._clock()
+        d = self._dir
         g = fs.open(new, "wb")
         ok = False
         try:
             g.write(HEADER)
             pos = _HDR
-            for s in range(self._hi):
-                c = ix[s >> 8]
-                k = s & 255
-                o = c[_CH + k]
-                if not o:
-                    continue
-                r = self._raw(o & _OFFM)
+            p = 0
+            grp = 0
+            while p < self._n:
+                while p >= d[grp + 1]:
+                    grp += 1
+                o = self._ix[p]
+                r = self._raw(self._off(o))
                 if r is None and msgs is not None:
                     # flash rot under a RAM copy: write the copy again
-                    r = (encode(T_PUT, self._parts(msgs[s >> 8][k], self._stime())[0]), b"")
-                    o = (o & _OFFM) | (_OEXP if msgs[s >> 8][k][_M_EXP] else 0)
-                    c[_CH + k] = o
+                    r = (encode(T_PUT, self._parts(msgs[p], self._stime())[0]), b"")
+                    o = (o & ~1) | (1 if msgs[p][_M_EXP] else 0)
+                    self._ix[p] = o
                 if r is None:
-                    self._log("error", "retained record of slot %d unreadable: dropped" % s)
-                    self._drop_marked(s)
+                    self._log("error", "retained record at %d unreadable: dropped" % self._off(o))
+                    self._drop(p, grp)
                     continue
-                if o & _OEXP:
+                if o & 1:
                     if msgs is not None:
-                        dl = msgs[s >> 8][k][_M_EXP]
+                        dl = msgs[p][_M_EXP]
                     else:
                         rest = r[1]
                         tl = rest[0] << 8 | rest[1]
                         _, _, rem, st, wall = unpack_from(">BBIII", rest, 2 + tl)
                         dl = self._deadline(st, rem, wall)
                     if dl <= now:
-                        self._drop_marked(s)
+                        self._drop(p, grp)
                         continue
                 self._wr(g, r[0])
                 self._wr(g, r[1])
-                c[_CH2 + k] = pos  # the new offset, until the chains are rebuilt
                 pos += len(r[0]) + len(r[1])
+                p += 1
             live = pos - _HDR
             st = self._stime()
             self._wr(g, encode(T_CLOCK, (pack(">II", st, self._wall()),)))
@@ -1437,7 +1521,6 @@ class FlashStore:
                     fs.remove(new)
                 except Exception:
                     pass
-                self._rethread()
         self.bytes_written += pos
         renamed = False
         bad = None
@@ -1461,12 +1544,6 @@ class FlashStore:
                     fs.remove(path)
                     fs.rename(new, path)
             renamed = True
-            for s in range(self._hi):
-                c = ix[s >> 8]
-                k = s & 255
-                o = c[_CH + k]
-                if o:
-                    c[_CH + k] = c[_CH2 + k] | (o & _OEXP)
             self._fend = pos
             self._wn = 0
             self._torn = False
@@ -1483,8 +1560,17 @@ class FlashStore:
                 )
             fs.sync_dir(path)
             self._f = fs.open(path, "r+b")
+            try:
+                self._reoffset()
+            except OSError as e:
+                # the index cannot learn the new offsets: open the file again,
+                # as a restart would (E4 holds across opens)
+                self._log("error", "%s: rereading after compaction failed (%r)" % (path, e))
+                self._f.close()
+                self._f = None
+                self._reset()
+                self._open()
         finally:
-            self._rethread()
             if not renamed:
                 if bad is not None and not fs.exists(path):
                     try:
@@ -1511,21 +1597,28 @@ class FlashStore:
         if r is not None and r != n:
             raise OSError(5)  # EIO: short write
 
-    def _drop_marked(self, s):
-        # compaction drops a slot; the chains are rebuilt afterwards
-        c = self._ix[s >> 8]
-        k = s & 255
-        size = self._size_of(s) if self._msgs is not None else self._head(c[_CH + k] & _OFFM)[0]
-        self._note(s, False)
-        if c[_CH + k] & _OEXP:
-            self._nexp -= 1
-        c[k] = 0
-        c[_CH + k] = 0
-        if self._msgs is not None:
-            self._msgs[s >> 8][k] = None
-        self.count -= 1
-        self._live -= size
-        self.nbytes -= size - PUT_OVERHEAD
+    def _drop(self, p, g):
+        # compaction drops the entry at p of group g (expired, unreadable)
+        o = self._ix[p]
+        msgs = self._msgs
+        size = self._size_of(p) if msgs is not None else self._head(self._off(o))[0]
+        self._note(g, -1, o, msgs[p] if msgs is not None else None)
+        self._forget(p, g, size)
+
+    def _reoffset(self):
+        # after a compaction: the p-th entry's record is the p-th of the
+        # new file (records were copied in index order, so the order holds)
+        ix = self._ix
+        lo = (1 << (self._ob + 1)) - 1
+        pos = _HDR
+        for p in range(self._n):
+            h = self._pread(pos, 5)
+            if len(h) != 5:
+                raise OSError(5)  # EIO: the file just written is short
+            e = ix[p]
+            ix[p] = (e & ~lo) | pos << 1 | (e & 1)
+            pos += unpack_from(">I", h, 1)[0] + 9
+        self._mods += 1
 
     # ------------------------------------------------------------ stats
     @property
@@ -1642,7 +1735,7 @@ class FlashStore:
         self._f = None
         self._reset()
         if self._msgs is None:
-            self._msgs = [[None] * _CH for _ in self._ix]
+            self._msgs = [None] * len(self._ix)
         self._log(
             "error",
             "%s: cannot be written (%r): retained store is read-only, "
@@ -1677,18 +1770,16 @@ class FlashStore:
             return False
 
     def _reset(self):
-        for c in self._ix:
-            for j in range(len(c)):
-                c[j] = 0
-        if self._msgs is not None:
-            for ch in self._msgs:
-                for j in range(_CH):
-                    ch[j] = None
-        for bc in self._bk:
-            for j in range(len(bc)):
-                bc[j] = 0
-        self._hi = 0
-        self._free = 0
+        d = self._dir
+        for j in range(len(d)):
+            d[j] = 0
+        self._n = 0
+        self._mods += 1
+        msgs = self._msgs
+        if msgs is not None:
+            for j in range(len(msgs)):
+                msgs[j] = None
+        self._sweep = 0
         self.count = 0
         self.nbytes = 0
         self._live = 0
@@ -1731,20 +1822,16 @@ class FlashStore:
                 tb, qos, flags, rem, stime, wall, props, payload = p
                 if stime > t0:
                     t0 = stime
-                th = self._th(tb)
-                s = self._find(tb, th)
-                if s >= 0:
-                    self._forget(s, self._size_of(s) if msgs is not None else self._flen + 9)
-                s = self._new_slot(th)
-                self.count += 1
-                self._live += n
-                self.nbytes += n - PUT_OVERHEAD
-                if flags & F_EXP:
-                    self._nexp += 1
-                self._ix[s >> 8][_CH + (s & 255)] = off | (_OEXP if flags & F_EXP else 0)
+                # a file holding more than capacity: one growth to what the
+                # records so far say the whole file holds (few large blocks)
+                self._room(off + n, self._n * size // (off + n) + 64)
+                q = self._find(tb)
+                xb = 1 if flags & F_EXP else 0
+                e = self._entry(off, xb)
+                m = None
                 if msgs is not None:
                     # the deadline waits for the end of the scan (T is not known yet)
-                    msgs[s >> 8][s & 255] = (  # slots _M_TOPIC .. _M_OWNEXP
+                    m = (  # slots _M_TOPIC .. _M_OWNEXP
                         topic,
                         tb,
                         payload,
@@ -1753,16 +1840,25 @@ class FlashStore:
                         (stime, rem, wall) if flags & F_EXP else 0,
                         flags & F_OWN,
                     )
-                if self.count > 4 * self._nb and self._nb < 0x100000:
-                    try:
-                        self._grow_buckets()
-                    except MemoryError:
-                        pass  # longer hash chains, as in put()
+                if q >= 0:
+                    old = self._size_of(q) if msgs is not None else self._flen + 9
+                    if self._ix[q] & 1:
+                        self._nexp -= 1
+                    self._set(q, self._fg, e, m)
+                    self._live += n - old
+                    self.nbytes += n - old
+                else:
+                    self._insert(self._fp, self._fg, e, m)
+                    self.count += 1
+                    self._live += n
+                    self.nbytes += n - PUT_OVERHEAD
+                self._nexp += xb
             elif kind == T_DEL:
                 st["records"] += 1
-                s = self._find(x, self._th(x))
-                if s >= 0:
-                    self._forget(s, self._size_of(s) if msgs is not None else self._flen + 9)
+                q = self._find(x)
+                if q >= 0:
+                    size_r = self._size_of(q) if msgs is not None else self._flen + 9
+                    self._forget(q, self._fg, size_r)
             elif kind == T_CLOCK and x is not None:
                 st["records"] += 1
                 if x[0] > t0:
@@ -1787,27 +1883,29 @@ class FlashStore:
         # E4: lifetimes left, now that the last runtime T is known
         expired = 0
         if self._nexp:
-            ix = self._ix
-            for s in range(self._hi):
-                o = ix[s >> 8][_CH + (s & 255)]
-                if not o & _OEXP:
+            q = 0
+            while q < self._n:
+                o = self._ix[q]
+                if not o & 1:
+                    q += 1
                     continue
                 if msgs is not None:
-                    m = msgs[s >> 8][s & 255]
+                    m = msgs[q]
                     stime, rem, wall = m[_M_EXP]  # during open: the record's clock
                     size_r = PUT_OVERHEAD + len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
                 else:
-                    size_r, _, rem, stime, wall = self._head(o & _OFFM)
+                    size_r, _, rem, stime, wall = self._head(self._off(o))
                 left = self._left(stime, rem, wall)
                 if left <= 0:
-                    self._forget(s, size_r)
+                    self._forget(q, self._group(q), size_r)
                     expired += 1
-                elif msgs is not None:
+                    continue  # the next entry moved to q
+                if msgs is not None:
                     d = self._c0 + left
                     # the same message with its expiry in broker seconds (slot order: _M_*)
                     exp = d if d else -1
                     own = m[_M_OWNEXP]
-                    msgs[s >> 8][s & 255] = (
+                    msgs[q] = (
                         m[_M_TOPIC],
                         m[_M_TB],
                         m[_M_PAYLOAD],
@@ -1816,6 +1914,7 @@ class FlashStore:
                         exp,
                         own,
                     )
+                q += 1
         st["expired"] = expired
         st["live"] = self.count
         st["dead_bytes"] = end - _HDR - self._live

@@ -51,8 +51,9 @@ CLOCK_RECORD: Final[int] = int(_EDGESTORE.CLOCK_SIZE)
 #: two files (store and .new) may waste up to one (a filesystem fact).
 FS_BLOCK: Final = 4096
 
-#: edgestore's index grows in chunks of this many slots.
-INDEX_CHUNK: Final[int] = int(_EDGESTORE.INDEX_CHUNK)
+#: edgestore preallocates its whole index for a capacity below this (above
+#: it, this many entries first, then growth by half).
+INDEX_PREALLOC: Final[int] = int(_EDGESTORE._BIG)
 
 #: $SYS/broker/refusals/<cause> topics the heap check allows for. The broker
 #: makes $SYS messages on demand, so the measured standing cost
@@ -440,8 +441,9 @@ with heap_bytes scaled the other way (x1.54) and tests it.
               + (max_inflight + max_queued) x message
     retained  = ram, disc:  store fixed + n x (overhead + max_topic_length)
                             + min(store_budget_bytes, n x (max_payload_size + max_topic_length))
-                disc_only:  store fixed + n x per_message (the index only), n rounded up
-                            to the index chunk (256)
+                disc_only:  store fixed + n x per_message (the index only, preallocated
+                            for n at open; x2 when max_retained_messages is 0 or
+                            16,384 or more: wide entries)
                 n = max_retained_messages (0: store_budget_bytes / 2, every message at
                 least 2 bytes)
     heap      = code
@@ -635,10 +637,13 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
     elif n is None:
         items.append(HeapItem("retained", 0, "unbounded (see errors)"))
     elif store == "disc_only":
-        slots = -(-n // INDEX_CHUNK) * INDEX_CHUNK
+        cap = int(cfg["max_retained_messages"])
+        slots = n if 0 < cap < INDEX_PREALLOC else max(n, INDEX_PREALLOC)
         fixed = _cost(costs, "retained", store, "fixed")
         per = _cost(costs, "retained", store, "per_message")
-        items.append(HeapItem("retained", fixed + slots * per, f"index of {slots} slots x {per}"))
+        if not 0 < cap < INDEX_PREALLOC:
+            per *= 2  # wide entries (array 'Q'): no limit, or 16,384 and more
+        items.append(HeapItem("retained", fixed + slots * per, f"index of {slots} entries x {per}"))
     else:
         fixed = _cost(costs, "retained", store, "fixed")
         over = _cost(costs, "retained", store, "overhead")
@@ -682,7 +687,8 @@ def start_heap(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> int:
     if store != "ram" and cfg["retain_available"]:
         idle += _cost(costs, "retained", store, "fixed")  # the store opens before listen()
         if store == "disc_only":
-            idle += INDEX_CHUNK * _cost(costs, "retained", store, "per_message")
+            n = retained_count(cfg) or INDEX_PREALLOC
+            idle += min(n, INDEX_PREALLOC) * _cost(costs, "retained", store, "per_message")
     if cfg["romfs"]:
         return sum(_cost(costs, "import_romfs", m) for m in mods) + idle
     peak = 0

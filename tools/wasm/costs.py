@@ -206,15 +206,17 @@ def steps(out):
         pts[n] = alloc()
     out["per_inflight_message"] = slope(8, pts[8], 32, pts[32])
     eng = conns = c0 = pub = sub = None
-    # retained messages: full stores of two capacities
+    # retained messages: full stores of two capacities, each filled twice;
+    # the smaller reading of each counts (a word pinned on the C stack
+    # can only add garbage: about 1 KB either way was seen on this port)
     for kind in ("ram", "disc_only"):
         used = {}
-        for capacity in (256, 1024):
+        for rep, capacity in enumerate((256, 1024, 256, 1024)):
             lim = dict(LIMITS)
             lim["storage_type"] = kind
             lim["max_retained_messages"] = capacity
             cfg = eb.limits(lim)
-            d = CFG.DATA + "/%s-%d" % (kind, capacity)
+            d = CFG.DATA + "/%s-%d-%d" % (kind, capacity, rep)
             try:
                 os.mkdir(d)
             except OSError:
@@ -231,7 +233,8 @@ def steps(out):
                 drain(e, c)
             c = None
             yield
-            used[capacity] = alloc() - a
+            u = alloc() - a
+            used[capacity] = min(used.get(capacity, u), u)
             store.close()
             e = store = None
         out["retained.%s.per_message" % kind] = round((used[1024] - used[256]) / 768, 1)

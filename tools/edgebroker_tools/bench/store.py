@@ -271,7 +271,7 @@ def scenario_store_heap(b: Bench) -> None:
             f"heap per retained message, {mode} ({count:,} x 64 B)",
             "B/msg",
             "none",
-            [Target("micropython", "<=", 16.0, "B/msg")] if mode == "disc_only" else [],
+            [Target("micropython", "<=", 4.0, "B/msg")] if mode == "disc_only" else [],
         )
         for mode in ("ram", "disc", "disc_only")
     }
