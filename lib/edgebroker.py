@@ -24,9 +24,13 @@ import errno
 import gc
 import os
 import select
-import socket
 import sys
 import time
+
+try:
+    import socket
+except ImportError:  # a port without a network stack (qemu, WebAssembly):
+    socket = None  # the Engine runs; only Broker (listening) needs sockets
 
 try:
     from micropython import const
@@ -62,11 +66,18 @@ _IMPL = sys.implementation.name
 # Unix seconds from the wall clock, or None while it was never set (a board
 # without NTP starts near its epoch: 2000 on ESP32, 1970 elsewhere, so any
 # time before 2020 means "not set"). Boards pass their own to open_store().
-_EPOCH_2000 = 946684800 if time.gmtime(0)[0] == 2000 else 0
+# A port may be built without time.gmtime and time.time (qemu): no wall clock.
+try:
+    _EPOCH_2000 = 946684800 if time.gmtime(0)[0] == 2000 else 0
+except AttributeError:
+    _EPOCH_2000 = 0
+_time = getattr(time, "time", None)
 
 
 def _wallclock():
-    t = time.time() + _EPOCH_2000
+    if _time is None:
+        return None
+    t = _time() + _EPOCH_2000
     return int(t) if t > 1577836800 else None
 
 

@@ -103,3 +103,75 @@ def test_linux_einprogress_number_is_an_error_on_the_esp32(esp32_bridge):
         esp32_bridge._start_connect(_Sock(115), ("10.0.0.1", 8883))
     with pytest.raises(OSError):
         esp32_bridge._start_connect(_Sock(104), ("10.0.0.1", 8883))
+
+
+# ---- ports without a network stack or a wall clock (MicroPython's Cortex-M
+# qemu port at its default settings; the WebAssembly port has no socket
+# either, and make test's 32-bit measurement imports the modules there)
+class _Blocked:
+    """A meta-path finder that makes `import socket` fail, as on such a port."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "socket":
+            raise ImportError("no module named 'socket'")
+        return None
+
+
+def _fresh_with(name, replace):
+    saved = {k: sys.modules.get(k) for k in replace}
+    blocker = _Blocked()
+    sys.meta_path.insert(0, blocker)
+    for k, v in replace.items():
+        if v is None:
+            sys.modules.pop(k, None)
+        else:
+            sys.modules[k] = v
+    try:
+        spec = importlib.util.spec_from_file_location(name + "_under_test", LIB / (name + ".py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.meta_path.remove(blocker)
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _qemu_time():
+    # the qemu port's time module: sleep and ticks only
+    import time
+
+    return types.SimpleNamespace(sleep=time.sleep, sleep_ms=lambda ms: time.sleep(ms / 1000),
+                                 monotonic=time.monotonic)
+
+
+def test_broker_imports_and_its_engine_runs_without_socket_and_wall_clock(tmp_path):
+    eb = _fresh_with("edgebroker", {"socket": None, "time": _qemu_time()})
+    assert eb.socket is None
+    assert eb._wallclock() is None  # never set: what a board says before NTP
+    cfg = eb.limits({"max_clients": 2})
+    e = eb.Engine(cfg, eb.RamStore(16), lambda level, text: None)
+    e.start(0.0)
+    c = e.open(None, 0.0, "t:1")  # the sans-IO seam: no socket behind it
+    # CONNECT (3.1.1, clean session, keep alive 60, client id "q"): CONNACK 0
+    data = bytes([0x10, 13, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 60, 0, 1]) + b"q"
+    e.receive(c, memoryview(data), len(data), 0.0)
+    e.turn(0.0)
+    assert bytes(c.out)[:4] == b"\x20\x02\x00\x00"
+
+
+def test_bridge_module_imports_without_socket():
+    eb = _fresh_with("edgebroker", {"socket": None})
+    saved = sys.modules.get("edgebroker")
+    sys.modules["edgebroker"] = eb
+    try:
+        br = _fresh_with("edgebridge", {"socket": None})
+        assert br.socket is None
+    finally:
+        if saved is None:
+            del sys.modules["edgebroker"]
+        else:
+            sys.modules["edgebroker"] = saved

@@ -65,17 +65,15 @@ def wasm_version() -> str:
     return str(json.loads(meta.read_text())["version"])
 
 
-def _stage(tmp: Path, data: str, stub_socket: bool) -> list[Path]:
-    """The .mpy files, the harness's config and (WebAssembly) a socket stub."""
+def _stage(tmp: Path, data: str) -> list[Path]:
+    """The .mpy files and the harness's config. The WebAssembly port has no
+    socket module: the broker's modules import without one (only listening
+    needs it), which this run also checks."""
     lib = runner.repo_root() / "lib"
     files = [runner.compile_mpy(lib / f"{m}.py", tmp, board=True) for m in MODULES]
     cfg = tmp / "_costs_cfg.py"
     cfg.write_text(f"DATA = {data!r}\n")
     files.append(cfg)
-    if stub_socket:
-        stub = tmp / "socket.py"
-        stub.write_text("# the WebAssembly port has no socket module; the engine needs none\n")
-        files.append(stub)
     return files
 
 
@@ -90,7 +88,7 @@ def run_wasm() -> dict[str, float]:
     """tools/wasm/costs.py in the 32-bit WebAssembly port."""
     node = node_executable()
     with tempfile.TemporaryDirectory(prefix="edgebroker-costs32-") as tmp:
-        files = _stage(Path(tmp), "/tmp", stub_socket=True)
+        files = _stage(Path(tmp), "/tmp")
         proc = subprocess.run(
             [node, str(wasm_dir() / "run.mjs"), str(wasm_dir() / "costs.py"), *map(str, files)],
             capture_output=True, text=True, timeout=300, check=False,
@@ -108,7 +106,7 @@ def run_unix() -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="edgebroker-costs64-") as tmp:
         data = Path(tmp) / "data"
         data.mkdir()
-        _stage(Path(tmp), str(data), stub_socket=False)
+        _stage(Path(tmp), str(data))
         code = (
             f"import sys\nsys.path.insert(0, {tmp!r})\n"
             f"exec(open({str(wasm_dir() / 'costs.py')!r}).read())\n"

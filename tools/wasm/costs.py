@@ -19,14 +19,9 @@
 # call can stay pinned by a stale word there; at the start of a new call
 # there is none.
 import gc
+import json
 import os
 import sys
-
-try:
-    import socket  # noqa: F401 (the WebAssembly port has none: the tool stages a stub)
-except ImportError:
-    pass
-import json
 
 if "/lib" not in sys.path:
     sys.path.insert(0, "/lib")

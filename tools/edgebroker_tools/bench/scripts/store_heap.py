@@ -1,8 +1,10 @@
 """Heap per retained message in each storage type under MicroPython: heap
-allocated (after gc.collect()) before the store is made and after
-`count` messages are in it, divided by `count`. Every message is made the
-way the broker makes one from a PUBLISH (its own topic str and bytes, its
-own 64-byte payload); capacity = count, as max_retained_messages would be.
+allocated (after gc.collect()) before the store is made and after it is
+full, for a store of count / 2 and one of `count` messages: the slope
+between the two is the cost of a message, what is left at `count` the
+store's fixed part. Every message is made the way the broker makes one
+from a PUBLISH (its own topic str and bytes, its own 64-byte payload);
+capacity = the message count, as max_retained_messages would be.
 
 Run as `<interpreter> store_heap.py <params.json>`; prints one line
 "RESULT <json>". Run by the MicroPython unix port."""
@@ -18,9 +20,10 @@ sys.path.insert(0, P["lib"])
 import edgebroker
 import edgestore
 
-res = {}
-for mode in ("ram", "disc", "disc_only"):
-    path = P["tmp"] + "/heap-" + mode + ".ebrs"
+
+def full(mode, n):
+    # heap of a store of capacity n holding n messages, and how many it holds
+    path = P["tmp"] + "/heap-%s-%d.ebrs" % (mode, n)
     try:
         os.remove(path)
     except OSError:
@@ -28,19 +31,29 @@ for mode in ("ram", "disc", "disc_only"):
     gc.collect()
     a0 = gc.mem_alloc()
     if mode == "ram":
-        st = edgebroker.RamStore(P["count"])
+        st = edgebroker.RamStore(n)
     else:
-        st = edgestore.FlashStore(path, mode=mode, capacity=P["count"])
-    for i in range(P["count"]):
+        st = edgestore.FlashStore(path, mode=mode, capacity=n)
+    for i in range(n):
         t = "bench/heap/%02d/%05d" % (i % 64, i)
         st.put(t, (t, t.encode(), b"m" * 56 + b"%08d" % i, 1, b"", 0, 0))
         if i % 16 == 15:
             st.commit()
     st.commit()
     gc.collect()
-    a1 = gc.mem_alloc()
-    res[mode] = {"count": st.count, "per_message": (a1 - a0) / P["count"], "bytes": a1 - a0}
+    used = gc.mem_alloc() - a0
+    count = st.count
     st.close()
     st = None
     gc.collect()
+    return used, count
+
+
+res = {}
+n = P["count"]
+for mode in ("ram", "disc", "disc_only"):
+    half, _ = full(mode, n // 2)
+    used, count = full(mode, n)
+    per = (used - half) / (n - n // 2)
+    res[mode] = {"count": count, "per_message": per, "fixed": used - per * n, "bytes": used}
 print("RESULT " + json.dumps(res))
