@@ -16,17 +16,47 @@ REPO = Path(__file__).resolve().parents[2]
 LIB = REPO / "lib"
 
 
-def _fresh(name, errno_module):
-    """lib/<name>.py imported anew, with ``errno`` replaced for its import."""
-    saved = sys.modules.get("errno")
-    sys.modules["errno"] = errno_module
+class _Blocked:
+    """A meta-path finder under which importing the given names fails, as on
+    a port without those modules."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.names:
+            raise ImportError("no module named %r" % name)
+        return None
+
+
+def _fresh_with(name, replace):
+    """lib/<name>.py imported anew with sys.modules[k] = v for its import;
+    v None: importing k fails."""
+    saved = {k: sys.modules.get(k) for k in replace}
+    blocker = _Blocked([k for k, v in replace.items() if v is None])
+    sys.meta_path.insert(0, blocker)
+    for k, v in replace.items():
+        if v is None:
+            sys.modules.pop(k, None)
+        else:
+            sys.modules[k] = v
     try:
         spec = importlib.util.spec_from_file_location(name + "_under_test", LIB / (name + ".py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
     finally:
-        sys.modules["errno"] = saved
+        sys.meta_path.remove(blocker)
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _fresh(name, errno_module):
+    """lib/<name>.py imported anew, with ``errno`` replaced for its import."""
+    return _fresh_with(name, {"errno": errno_module})
 
 
 def _esp32_errno():
@@ -108,38 +138,6 @@ def test_linux_einprogress_number_is_an_error_on_the_esp32(esp32_bridge):
 # ---- ports without a network stack or a wall clock (MicroPython's Cortex-M
 # qemu port at its default settings; the WebAssembly port has no socket
 # either, and make test's 32-bit measurement imports the modules there)
-class _Blocked:
-    """A meta-path finder that makes `import socket` fail, as on such a port."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "socket":
-            raise ImportError("no module named 'socket'")
-        return None
-
-
-def _fresh_with(name, replace):
-    saved = {k: sys.modules.get(k) for k in replace}
-    blocker = _Blocked()
-    sys.meta_path.insert(0, blocker)
-    for k, v in replace.items():
-        if v is None:
-            sys.modules.pop(k, None)
-        else:
-            sys.modules[k] = v
-    try:
-        spec = importlib.util.spec_from_file_location(name + "_under_test", LIB / (name + ".py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.meta_path.remove(blocker)
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-
-
 def _qemu_time():
     # the qemu port's time module: sleep and ticks only
     import time
