@@ -305,7 +305,10 @@ def _asyncio():
     global _aio, _io_wait, _io_forget, _io_stop
     if _aio is not None:
         return _aio
-    import asyncio
+    try:
+        import asyncio
+    except ImportError:  # older MicroPython (1.16 checked) has uasyncio only
+        import uasyncio as asyncio
 
     core = getattr(asyncio, "core", None)
     if core is not None and hasattr(core, "_io_queue"):  # MicroPython
