@@ -747,12 +747,11 @@ class Bridge:
                 self.dropped0 += 1
             return False
         tb = rt.encode()
+        pos = self.q.end
         if self.pace and not self.split:
             self._mark(tb)
-        pos = 0
         if r["mode"] == "latest":
             flags |= F_LATEST
-            pos = self.q.end
         now = self.eng.now_s
         if now != self.wnow:
             # the wall clock once per turn (whole seconds: the queue's unit)
@@ -760,7 +759,7 @@ class Bridge:
             self.wall = eb._wallclock() or 0
         if not self.q.append(qos, flags, exp, self.wall, tb, msg[4], msg[2]):
             return False
-        if pos:
+        if flags & F_LATEST:
             self._latest_at(tb, pos)
 
         if not self.durable:
@@ -1574,10 +1573,7 @@ class Bridge:
                 raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
             if ln < 0 or j + ln > n:
                 break
-            if b[i] == 0x40:
-                self._acked(b[j] << 8 | b[j + 1], True)  # PUBACK: the drain's path
-            else:
-                self._handle(b[i], b, j, j + ln)
+            self._handle(b[i], b, j, j + ln)
             i = j + ln
         if i:
             self.rbuf = b[i:]
@@ -1585,8 +1581,7 @@ class Bridge:
 
     def _handle(self, first, b, i, end):
         t = first >> 4
-        ver5 = self.c["protocol"] == 5
-        if t == 4 or t == 7:  # PUBACK, PUBCOMP
+        if t == 4 or t == 7:  # PUBACK, PUBCOMP (the drain's path: first)
             self._acked(b[i] << 8 | b[i + 1], True)
         elif t == 5:  # PUBREC
             pid = b[i] << 8 | b[i + 1]
@@ -1602,7 +1597,7 @@ class Bridge:
             self.out += b"\x70\x02" + eb.u16(pid)
         elif t == 2:  # CONNACK
             props = {}
-            if ver5 and end - i > 2:
+            if self.v5 and end - i > 2:
                 props, _, _ = eb.read_props(b, i + 2, end)
             self.connack = (b[i] & 1, b[i + 1], props)
         elif t == 14:

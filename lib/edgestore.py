@@ -930,6 +930,11 @@ class FlashStore:
         h = self._pread(self._off(self._ix[p]), 5)
         return unpack_from(">I", h, 1)[0] + 9
 
+    def _found_size(self, p):
+        # record bytes of the entry _find() just returned (disc_only: the
+        # length it read while verifying the topic; no read again)
+        return self._size_of(p) if self._msgs is not None else self._flen + 9
+
     def _room(self, end, want=0):
         """Before a write that may reach file offset end: one more entry
         fits (growing to `want` entries, or by half), and end fits an
@@ -1236,7 +1241,7 @@ class FlashStore:
         e = self._entry(off, x)
         g = self._fg
         if p >= 0:
-            old = self._size_of(p) if self._msgs is not None else self._flen + 9
+            old = self._found_size(p)
             o = self._ix[p]
             self._note(g, e, o, self._msgs[p] if self._msgs is not None else None)
             if o & 1:
@@ -1261,7 +1266,7 @@ class FlashStore:
         p = self._find(tb)
         if p < 0:
             return False  # nothing written: no wear for a no-op
-        size = self._size_of(p) if self._msgs is not None else self._flen + 9
+        size = self._found_size(p)
         nc = self.compactions
         if self._emit(T_DEL, (tb,)) < 0:
             return True
@@ -1269,7 +1274,7 @@ class FlashStore:
             p = self._find(tb)  # _emit compacted first (a torn tail): entries moved
             if p < 0:
                 return True  # compaction dropped it (expired)
-            size = self._size_of(p) if self._msgs is not None else self._flen + 9
+            size = self._found_size(p)
         g = self._fg
         self._note(g, -1, self._ix[p], self._msgs[p] if self._msgs is not None else None)
         self._forget(p, g, size)
@@ -1841,7 +1846,7 @@ class FlashStore:
                         flags & F_OWN,
                     )
                 if q >= 0:
-                    old = self._size_of(q) if msgs is not None else self._flen + 9
+                    old = self._found_size(q)
                     if self._ix[q] & 1:
                         self._nexp -= 1
                     self._set(q, self._fg, e, m)
@@ -1857,7 +1862,7 @@ class FlashStore:
                 st["records"] += 1
                 q = self._find(x)
                 if q >= 0:
-                    size_r = self._size_of(q) if msgs is not None else self._flen + 9
+                    size_r = self._found_size(q)
                     self._forget(q, self._fg, size_r)
             elif kind == T_CLOCK and x is not None:
                 st["records"] += 1

@@ -174,20 +174,3 @@ def test_bridge_module_imports_without_socket():
         else:
             sys.modules["edgebroker"] = saved
 
-
-def test_asyncio_falls_back_to_uasyncio():
-    # MicroPython 1.16 (an ESP32 image, docs/boards.md) names it uasyncio only
-    import asyncio
-
-    eb = _fresh("edgebroker", sys.modules["errno"])
-    saved = sys.modules.pop("asyncio")
-    blocker = _Blocked(["asyncio"])
-    sys.meta_path.insert(0, blocker)
-    sys.modules["uasyncio"] = asyncio
-    try:
-        assert eb._asyncio() is asyncio
-    finally:
-        sys.meta_path.remove(blocker)
-        del sys.modules["uasyncio"]
-        sys.modules["asyncio"] = saved
-    assert eb._io_wait is not None and eb._io_stop is not None

