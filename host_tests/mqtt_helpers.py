@@ -1110,3 +1110,30 @@ def make_certs(d):
         (d / (who + ".pem")).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         write_key(key, who + ".key")
     return d
+
+
+def retained_round_trip(port, topic, payload, topic_filter, cid="rt"):
+    """A retained QoS 1 PUBLISH from one paho client, then a new subscriber
+    on topic_filter: the first message it gets (paho's message object)."""
+    pub = paho_client(port, client_id=cid + "-pub")
+    sub = None
+    try:
+        pub.client.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
+        sub = paho_client(port, client_id=cid + "-sub")
+        sub.subscribe_wait(topic_filter, qos=1)
+        return sub.wait_messages(1)[0]
+    finally:
+        pub.client.disconnect()
+        if sub is not None:
+            sub.client.disconnect()
+
+
+def first_line(argv):
+    """Starts argv (a script that prints one line when it is ready) and
+    returns (process, that line); stop it with stop_process(). A process
+    that ended before saying anything: its stderr is the line."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if not line and proc.poll() is not None:
+        line = proc.stderr.read()
+    return proc, line

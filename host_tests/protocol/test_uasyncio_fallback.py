@@ -5,12 +5,11 @@ has its asyncio as `uasyncio` only. The broker falls back to that name: here
 QoS 1 in, delivered to a subscriber), under CPython and MicroPython."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import free_port, paho_client
+from mqtt_helpers import first_line, free_port, retained_round_trip, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 MP = Path(sys.executable).parent / "micropython"
@@ -60,24 +59,10 @@ def test_asyncio_server_runs_on_uasyncio(interp):
     code = LAUNCH % {"lib": str(REPO / "lib"), "hide": HIDE[interp], "port": port,
                      "profile": json.dumps({"max_clients": 4})}
     exe = sys.executable if interp == "cpython" else str(MP)
-    proc = subprocess.Popen([exe, "-u", "-c", code] if interp == "cpython" else [exe, "-c", code],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, line = first_line([exe, "-u", "-c", code] if interp == "cpython" else [exe, "-c", code])
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "fallback", line + (proc.stderr.read() if proc.poll() else "")
-        pub = paho_client(port, client_id="ua-pub")
-        pub.client.publish("ua/t", b"v", qos=1, retain=True).wait_for_publish(5)
-        sub = paho_client(port, client_id="ua-sub")
-        sub.subscribe_wait("ua/#", qos=1)
-        msgs = sub.wait_messages(1)
-        assert (msgs[0].topic, msgs[0].payload, msgs[0].retain) == ("ua/t", b"v", True)
-        pub.client.disconnect()
-        sub.client.disconnect()
+        assert line == "fallback", line
+        m = retained_round_trip(port, "ua/t", b"v", "ua/#", "ua")
+        assert (m.topic, m.payload, m.retain) == ("ua/t", b"v", True)
     finally:
-        proc.terminate()  # the process this test started, by its handle
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)  # the process this test started, by its handle

@@ -8,11 +8,10 @@ emulator, every other test) runs under both interpreters."""
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import free_port, paho_client
+from mqtt_helpers import first_line, free_port, retained_round_trip, stop_process
 
 from edgebroker_tools import runner
 from edgebroker_tools.commands import build as build_cmd
@@ -113,28 +112,12 @@ def test_board_build_serves_retained_on_flash_under_micropython(tmp_path):
     profile = {"storage_type": "disc_only", "max_retained_messages": 64}
     code = LAUNCH % {"dir": str(board.parent), "profile": json.dumps(profile), "port": port,
                      "data": str(data)}
-    proc = subprocess.Popen([str(MP), "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc, line = first_line([str(MP), "-c", code])
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", line + (proc.stderr.read() if proc.poll() else "")
-        pub = paho_client(port, client_id="board-pub")
-        pub.client.publish("site/board/temp", b"21.5", qos=1, retain=True).wait_for_publish(5)
-        sub = paho_client(port, client_id="board-sub")
-        sub.subscribe_wait("site/+/temp", qos=1)
-        msgs = sub.wait_messages(1)
-        assert msgs[0].topic == "site/board/temp" and msgs[0].payload == b"21.5"
-        assert msgs[0].retain
-        pub.client.disconnect()
-        sub.client.disconnect()
-        time.sleep(0.1)
+        assert line == "ready", line
+        m = retained_round_trip(port, "site/board/temp", b"21.5", "site/+/temp", "board")
+        assert (m.topic, m.payload, m.retain) == ("site/board/temp", b"21.5", True)
     finally:
-        proc.terminate()  # the process this test started, by its handle
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)  # the process this test started, by its handle
     store = (data / "retained.ebrs").read_bytes()
     assert b"site/board/temp" in store and b"21.5" in store
