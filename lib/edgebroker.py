@@ -1065,14 +1065,20 @@ def topic_matches(flevels, topic):
     return i == n
 
 
+def share_inner(filt):
+    # the Topic Filter inside a valid $share/{ShareName}/{filter} (4.8.2)
+    return filt[filt.find("/", 7) + 1 :]
+
+
 class Group:
     """A shared subscription's group ($share/{ShareName}/{filter}, 4.8.2):
     one entry in the topic tree for all its members; each message goes to
     one of them, round robin over the connected ones first."""
 
-    def __init__(self, filt):
-        self.filt = filt  # the filter inside, as the tree has it
-        self.members = {}  # session -> (options byte, sub id)
+    def __init__(self):
+        # no copy of its filter: Engine.groups has it as the key, and the
+        # tree's levels are the filter inside (share_inner)
+        self.members = {}  # session -> (options byte, sub id), Session.subs' tuple
         self.order = []  # sessions, round-robin order
         self.next = 0
 
@@ -1091,10 +1097,11 @@ class Group:
         self.next = (start + 1) % n
         return order[start % n]
 
-    def add(self, sess, opts, sid):
+    def add(self, sess, ent):
+        # ent: the (options byte, sub id) tuple the session keeps too
         if sess not in self.members:
             self.order.append(sess)
-        self.members[sess] = (opts, sid)
+        self.members[sess] = ent
 
     def remove(self, sess):
         if self.members.pop(sess, None) is not None:
@@ -1103,51 +1110,57 @@ class Group:
                 self.next = 0
 
 
+# A topic tree node is one dict: its children by level (a level is always a
+# str) and, under the int key _SUBS, its subscribers dict while it has any.
+# One dict per level, not a list holding a children dict and a subscribers
+# slot: on MicroPython that list and its items cost two heap blocks a level.
+_SUBS = const(0)
+
+
 class TopicTree:
-    """Subscriptions by level: a node is [children dict, subscribers dict].
-    A publish walks only the branches its levels select ('+', '#' and the
+    """Subscriptions by level, one node dict per level (see _SUBS). A
+    publish walks only the branches its levels select ('+', '#' and the
     literal level), never every subscription (mosquitto's subs.c does the
-    same). The subscribers dict maps session -> (options byte, sub id)."""
+    same). A subscribers dict maps session (or Group) -> (options byte,
+    sub id), the very tuple the session keeps in Session.subs (one per
+    subscription, not two)."""
 
     def __init__(self):
-        self.root = [{}, None]
+        self.root = {}
 
-    def add(self, filt, sess, opts, sid):
+    def add(self, filt, sess, ent):
         node = self.root
         for lv in filt.split("/"):
-            ch = node[0]
-            nxt = ch.get(lv)
+            nxt = node.get(lv)
             if nxt is None:
-                nxt = [{}, None]
-                ch[lv] = nxt
+                nxt = node[lv] = {}
             node = nxt
-        if node[1] is None:
-            node[1] = {}
-        node[1][sess] = (opts, sid)
+        subs = node.get(_SUBS)
+        if subs is None:
+            subs = node[_SUBS] = {}
+        subs[sess] = ent
 
     def remove(self, filt, sess):
         node = self.root
         path = []
         for lv in filt.split("/"):
-            nxt = node[0].get(lv)
+            nxt = node.get(lv)
             if nxt is None:
                 return False
             path.append((node, lv))
             node = nxt
-        subs = node[1]
+        subs = node.get(_SUBS)
         if subs is None or sess not in subs:
             return False
         del subs[sess]
         if not subs:
-            node[1] = None
-        # prune empty branches, deepest first
+            del node[_SUBS]
+        # prune empty branches (no children, no subscribers), deepest first
         while path:
             parent, lv = path.pop()
-            child = parent[0][lv]
-            if child[1] is None and not child[0]:
-                del parent[0][lv]
-            else:
+            if parent[lv]:
                 break
+            del parent[lv]
         return True
 
     def match(self, levels, dollar):
@@ -1156,26 +1169,29 @@ class TopicTree:
         stack = [(self.root, 0)]
         while stack:
             node, i = stack.pop()
-            ch = node[0]
             wild = not (dollar and i == 0)
             if i == n:
-                if node[1]:
-                    yield node[1]
-                h = ch.get("#")  # 'a/#' matches 'a' (4.7.1.2)
-                if h is not None and h[1] and wild:
-                    yield h[1]
+                subs = node.get(_SUBS)
+                if subs:
+                    yield subs
+                h = node.get("#")  # 'a/#' matches 'a' (4.7.1.2)
+                if h is not None and wild:
+                    subs = h.get(_SUBS)
+                    if subs:
+                        yield subs
                 continue
-            if ch:
-                if wild:
-                    h = ch.get("#")
-                    if h is not None and h[1]:
-                        yield h[1]
-                    p = ch.get("+")
-                    if p is not None:
-                        stack.append((p, i + 1))
-                nx = ch.get(levels[i])
-                if nx is not None:
-                    stack.append((nx, i + 1))
+            if wild:
+                h = node.get("#")
+                if h is not None:
+                    subs = h.get(_SUBS)
+                    if subs:
+                        yield subs
+                p = node.get("+")
+                if p is not None:
+                    stack.append((p, i + 1))
+            nx = node.get(levels[i])
+            if nx is not None:
+                stack.append((nx, i + 1))
 
 
 # --------------------------------------------------------- 6. retained store
@@ -1193,14 +1209,15 @@ _M_OWNEXP = const(6)
 
 # The records below are lists (mutable, smaller than instances on
 # MicroPython: no per-object attribute dict), read through named slots.
-# An in-flight entry (Session.inflight), in send order:
+# An in-flight entry (Session.inflight), in send order. Four slots, not six:
+# on MicroPython four items fit one heap block, six take two.
 _F_PID = const(0)  # packet identifier
-_F_MSG = const(1)  # the message (None once PUBREC came: only PUBREL is left)
-_F_QOS = const(2)
-_F_RETAIN = const(3)  # RETAIN flag as sent
-_F_SIDS = const(4)  # Subscription Identifiers or None
-_F_REL = const(5)  # True once PUBREL was sent (QoS 2, second half)
-# A queued entry (Session.queue), oldest first: [msg, qos, retain, sids]
+_F_MSG = const(1)  # the message; None once PUBREC came and PUBREL went out
+_F_QR = const(2)  # QoS << 1 | RETAIN as sent: the PUBLISH flag bits (3.3.1)
+_F_SIDS = const(3)  # Subscription Identifiers or None
+# A queued entry (Session.queue), oldest first: [msg, qos, retain, sids], or
+# the message tuple itself when it goes out as it came (its own QoS, RETAIN
+# 0, no Subscription Identifier), which needs no list of its own.
 _Q_MSG = const(0)
 # A pending retained delivery (Session.rq):
 _R_IT = const(0)  # iterator over the store's matches
@@ -1221,6 +1238,19 @@ _MR_SIDS = const(2)  # their Subscription Identifiers or None
 
 def msg_size(m):
     return len(m[_M_TB]) + len(m[_M_PAYLOAD]) + len(m[_M_PROPS])
+
+
+def q_entry(msg, qos, retain, sids):
+    """A queued entry (see _Q_MSG): the bare message when it is sent as it
+    came, else [msg, qos, retain, sids]."""
+    if qos == msg[_M_QOS] and not retain and sids is None:
+        return msg
+    return [msg, qos, retain, sids]
+
+
+def q_msg(ent):
+    # the message of a queued entry; an entry list is a list, a message a tuple
+    return ent[_Q_MSG] if type(ent) is list else ent
 
 
 _PARTS = const(32)  # slot partitions, chosen by a hash of the first level
@@ -1581,6 +1611,10 @@ class Engine:
         self.sessions = {}
         self.tree = TopicTree()
         self.groups = {}  # $share/{name}/{filter} -> Group (bounded by the subscriptions)
+        # options byte -> (options byte, 0): the one tuple every subscription
+        # without a Subscription Identifier shares (sub_ent); at most 64, as
+        # SUBSCRIBE refuses the reserved option bits 6-7 (3.8.3.1)
+        self.ents = {}
         self.dirty = []  # connections with bytes waiting to be sent
         self.ended = []  # connections the engine closed: the server releases them
         self.busy = []  # sessions with deliveries that can go on now
@@ -2149,11 +2183,12 @@ class Engine:
         if sess.inflight:
             keep = []
             for ent in sess.inflight:
-                if ent[_F_REL]:
+                qr = ent[_F_QR]
+                if ent[_F_MSG] is None:  # PUBREL sent before
                     self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
                     keep.append(ent)
                 elif self.encode_publish(
-                    conn, ent[_F_MSG], ent[_F_QOS], ent[_F_RETAIN], ent[_F_PID], ent[_F_SIDS], True
+                    conn, ent[_F_MSG], qr >> 1, qr & 1, ent[_F_PID], ent[_F_SIDS], True
                 ):
                     keep.append(ent)
             sess.inflight = keep
@@ -2448,7 +2483,7 @@ class Engine:
             if g is not None:
                 g.remove(sess)
                 if not g.members:
-                    self.tree.remove(g.filt, g)
+                    self.tree.remove(share_inner(filt), g)
                     del self.groups[filt]
         else:
             self.tree.remove(filt, sess)
@@ -2542,7 +2577,7 @@ class Engine:
             return
         if conn is None:
             if qos:
-                self.enqueue(sess, [msg, qos, retain, sids])
+                self.enqueue(sess, q_entry(msg, qos, retain, sids))
             return
         if qos == 0:
             if conn.out_len() > self.max_outbuf:
@@ -2553,7 +2588,7 @@ class Engine:
             self.encode_publish(conn, msg, 0, retain, 0, sids, False)
             return
         if sess.queue or len(sess.inflight) >= conn.window or conn.out_len() > self.max_outbuf:
-            self.enqueue(sess, [msg, qos, retain, sids])
+            self.enqueue(sess, q_entry(msg, qos, retain, sids))
             if len(sess.queue) >= self.hw:
                 self.mark(sess)
             return
@@ -2561,11 +2596,11 @@ class Engine:
 
     def enqueue(self, sess, ent):
         q = sess.queue
-        size = msg_size(ent[_Q_MSG])
+        size = msg_size(q_msg(ent))
         cap = self.cfg["max_queued_bytes"]
         while q and (len(q) >= self.max_queued or sess.qbytes + size > cap):
             # documented policy: the oldest queued message is dropped
-            sess.qbytes -= msg_size(q.pop(0)[_Q_MSG])
+            sess.qbytes -= msg_size(q_msg(q.pop(0)))
             self.n_dropped += 1
             self.refuse("queue_full", "session %s", sess.cid)
         if type(q) is tuple:
@@ -2579,7 +2614,7 @@ class Engine:
             return  # too large for the client or expired: treated as done
         if type(sess.inflight) is tuple:
             sess.inflight = []
-        sess.inflight.append([pid, msg, qos, retain, sids, False])
+        sess.inflight.append([pid, msg, qos << 1 | retain, sids])
 
     def next_pid(self, sess):
         pid = sess.pid
@@ -2676,7 +2711,11 @@ class Engine:
         inflight = sess.inflight
         limit = self.max_outbuf
         while q and len(inflight) < conn.window and conn.out_len() <= limit:
-            msg, qos, retain, sids = q.pop(0)
+            ent = q.pop(0)
+            if type(ent) is list:
+                msg, qos, retain, sids = ent
+            else:
+                msg, qos, retain, sids = ent, ent[_M_QOS], 0, None
             sess.qbytes -= msg_size(msg)
             self.send_inflight(sess, conn, msg, qos, retain, sids)
         if sess.hw and len(q) <= self.lw:
@@ -2739,21 +2778,22 @@ class Engine:
                 )
             return
         if ptype == _PUBACK:
-            if e[_F_QOS] != 1:
+            if e[_F_QR] >> 1 != 1:
                 raise MqttError(_RC_PROTOCOL, "PUBACK for a QoS 2 message")
             inflight.pop(k)
         elif ptype == _PUBREC:
-            if e[_F_QOS] != 2:
+            if e[_F_QR] >> 1 != 2:
                 raise MqttError(_RC_PROTOCOL, "PUBREC for a QoS 1 message")
             if rc >= 0x80:
                 inflight.pop(k)  # 4.3.3: an error PUBREC ends the exchange
             else:
-                e[_F_REL] = True
-                e[_F_MSG] = None  # the message itself is no longer needed
+                # PUBREL follows: the message itself is no longer needed, and
+                # no message is what marks the entry as released (_F_MSG)
+                e[_F_MSG] = None
                 self.write(conn, bytes((0x62, 2)) + u16(pid))
                 return
         else:  # PUBCOMP
-            if not e[_F_REL]:
+            if e[_F_MSG] is not None:
                 raise MqttError(_RC_PROTOCOL, "PUBCOMP before PUBREL")
             inflight.pop(k)
         self.pump(sess)
@@ -2834,17 +2874,19 @@ class Engine:
             if granted > cfg["maximum_qos"]:
                 granted = cfg["maximum_qos"]
             opts = opts & 0xFC | granted
-            # MQTT-3.8.4-3: a repeated filter replaces the subscription
-            sess.subs[filt] = (opts, sid)
+            # MQTT-3.8.4-3: a repeated filter replaces the subscription.
+            # One tuple, kept by the session and by the tree (or the group).
+            ent = self.sub_ent(opts, sid)
+            sess.subs[filt] = ent
             codes.append(granted)
             if inner is not filt:
                 g = self.groups.get(filt)
                 if g is None:
-                    g = self.groups[filt] = Group(inner)
-                    self.tree.add(inner, g, 0, 0)
-                g.add(sess, opts, sid)
+                    g = self.groups[filt] = Group()
+                    self.tree.add(inner, g, (0, 0))  # not read: publish() asks the group
+                g.add(sess, ent)
                 continue  # no retained messages for a shared subscription (4.8.2)
-            self.tree.add(filt, sess, opts, sid)
+            self.tree.add(filt, sess, ent)
             rh = opts >> 4 & 3
             if cfg["retain_available"] and (rh == 0 or (rh == 1 and not existed)):
                 todo.append((filt, opts, sid))
@@ -2867,6 +2909,17 @@ class Engine:
             sess.rq.append([it, opts, sid, filt, None])
         if todo:
             self.pump(sess)
+
+    def sub_ent(self, opts, sid):
+        """A subscription's (options byte, sub id) tuple, as Session.subs,
+        the tree and a Group keep it: with no Subscription Identifier, the
+        shared one for its options byte (no tuple per subscription)."""
+        if sid:
+            return (opts, sid)
+        ent = self.ents.get(opts)
+        if ent is None:
+            ent = self.ents[opts] = (opts, 0)
+        return ent
 
     def drop_rq(self, sess, filt=None):
         """Ends pending retained deliveries: all of them, or one filter's."""
@@ -3139,8 +3192,9 @@ class Engine:
         self._next_id += 1
         sess = Session("$local-%d" % self._next_id)
         sess.cb = callback
-        sess.subs = {filt: (qos, 0)}
-        self.tree.add(filt, sess, qos, 0)
+        ent = self.sub_ent(qos, 0)
+        sess.subs = {filt: ent}
+        self.tree.add(filt, sess, ent)
         if self.cfg["retain_available"]:
             # like a new MQTT subscription with Retain Handling 0 (D1)
             flevels = filt.split("/")
@@ -3244,8 +3298,8 @@ class Engine:
                 self.end_session(sess)
             elif sess.queue and sess.conn is None:
                 q = sess.queue
-                while q and q[0][_Q_MSG][_M_EXP] and q[0][_Q_MSG][_M_EXP] <= now:
-                    sess.qbytes -= msg_size(q.pop(0)[_Q_MSG])
+                while q and q_msg(q[0])[_M_EXP] and q_msg(q[0])[_M_EXP] <= now:
+                    sess.qbytes -= msg_size(q_msg(q.pop(0)))
         if self.store.expire(now, 64) and self.store.durable:
             self.sdirty = True
         si = self.cfg["sys_interval"]
@@ -3269,7 +3323,7 @@ class Engine:
         # Live $SYS subscribers get fresh values every sys_interval; a new
         # one gets them at SUBSCRIBE, RETAIN=1 (sys_iter). They are made on
         # demand, so an idle broker holds no $SYS messages in its heap.
-        if self.tree.root[0].get("$SYS") is None:
+        if self.tree.root.get("$SYS") is None:
             if _mem_free is not None:
                 gc.collect()  # a calm point all the same
             return

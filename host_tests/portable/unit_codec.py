@@ -115,10 +115,10 @@ def test_topic_matches_4_7():
 def test_topic_tree_walks_only_matching_branches():
     t = eb.TopicTree()
     a, b, c = object(), object(), object()
-    t.add("s/+/t", a, 1, 0)
-    t.add("s/#", b, 2, 7)
-    t.add("x/y", c, 0, 0)
-    t.add("#", c, 0, 0)
+    t.add("s/+/t", a, (1, 0))
+    t.add("s/#", b, (2, 7))
+    t.add("x/y", c, (0, 0))
+    t.add("#", c, (0, 0))
 
     def subs(topic):
         got = {}
@@ -135,14 +135,14 @@ def test_topic_tree_walks_only_matching_branches():
     assert t.remove("s/+/t", a) and not t.remove("s/+/t", a)
     assert a not in subs("s/1/t")
     assert t.remove("s/#", b) and t.remove("x/y", c) and t.remove("#", c)
-    assert t.root[0] == {}                       # empty branches pruned
+    assert t.root == {}                          # empty branches pruned
 
 
 def test_topic_tree_replaces_same_filter_MQTT_3_8_4_3():
     t = eb.TopicTree()
     a = object()
-    t.add("q", a, 0, 0)
-    t.add("q", a, 2, 5)
+    t.add("q", a, (0, 0))
+    t.add("q", a, (2, 5))
     got = [d[a] for d in t.match(["q"], False)]
     assert got == [(2, 5)]
 

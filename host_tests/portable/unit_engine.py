@@ -855,6 +855,56 @@ def test_properties_forwarded_expiry_decremented_MQTT_3_3_2_6_MQTT_3_3_2_17_18()
     assert [m.payload for m in sb.msgs()] == [b"x"]          # only the old one, resent
 
 
+def test_offline_queue_keeps_each_messages_qos_retain_and_ids_MQTT_3_8_4_8_MQTT_3_3_4_3():
+    # The engine queues the bare message when it goes out as it came (its
+    # QoS, RETAIN 0, no Subscription Identifier), an entry otherwise; both
+    # must give the same PUBLISH, and expire the same way (MQTT-3.3.2-5).
+    eng = mk()
+    sb = Peer(eng, "s", clean=False, props=p_u32(0x11, 600))
+    sb.sub("a", 1)
+    sb.sub("b", 0x0A, pid=2, props=b"\x0b\x07")    # QoS 2, Retain As Published, id 7
+    eng.lost(sb.c, T0)
+    p = Peer(eng, "p")
+    p.send(publish("a", b"5", 1, 5, props=p_u32(0x02, 2)))   # as it came, expires
+    p.send(publish("a", b"6", 2, 6, props=p_u32(0x02, 2)))   # an entry, expires
+    p.send(publish("a", b"1", 1, 1))                 # as it came
+    p.send(publish("a", b"2", 2, 2))                 # QoS 2 to a QoS 1 subscription
+    p.send(publish("b", b"3", 1, 3, retain=True))    # RETAIN kept, id 7
+    p.send(publish("b", b"4", 2, 4))                 # its own QoS, id 7
+    sess = eng.sessions["s"]
+    assert [type(e) is list for e in sess.queue] == [False, True, False, True, True, True]
+    eng.turn(T0 + 5)                                 # the two with a 2 s expiry go first
+    assert len(sess.queue) == 4
+    sb = Peer(eng, "s", clean=False, props=p_u32(0x11, 600), now=T0 + 5)
+    got = [(m.payload, m.qos, m.retain, m.props.get(0x0B)) for m in sb.msgs()]
+    assert got == [(b"1", 1, 0, None), (b"2", 1, 0, None), (b"3", 1, 1, [7]), (b"4", 2, 0, [7])]
+    assert sess.queue == [] and sess.qbytes == 0
+
+
+def test_subscription_tuple_shared_by_session_and_tree():
+    # one (options, id) tuple per subscription, and one per options byte
+    # for all subscriptions without an identifier (heap: docs/boards.md)
+    eng = mk()
+    a = Peer(eng, "a")
+    a.sub("x/y", 1)
+    a.sub("$share/g/x/+", 2, pid=2)
+    a.sub("z", 1, pid=3, props=b"\x0b\x05")
+    b = Peer(eng, "b")
+    b.sub("q/#", 1)
+    sa, sb_ = eng.sessions["a"], eng.sessions["b"]
+    tree = eng.tree
+    leaf = [d for d in tree.match(["x", "y"], False) if sa in d]
+    assert len(leaf) == 1 and leaf[0][sa] is sa.subs["x/y"] is sb_.subs["q/#"]
+    assert sa.subs["x/y"] == (1, 0) and sa.subs["z"] == (1, 5)
+    g = eng.groups["$share/g/x/+"]
+    assert g.members[sa] is sa.subs["$share/g/x/+"] and sa.subs["$share/g/x/+"] == (2, 0)
+    a.send(unsubscribe(4, ["x/y", "$share/g/x/+", "z"]))
+    assert a.packets()[0][0] == 0xB0
+    b.send(unsubscribe(2, ["q/#"]))
+    assert b.packets()[0][0] == 0xB0
+    assert tree.root == {} and eng.groups == {}      # empty branches pruned
+
+
 def test_topic_alias_set_then_used_MQTT_3_3_2_12():
     eng = mk()
     s = Peer(eng, "s")
