@@ -317,6 +317,7 @@ class Queue:
         self.drops = 0
         self.corrupt = 0
         self.kdirty = False  # cursor moved since the last "K" record
+        self.unsynced = False  # written by commit(False) and not fsynced since
         self.moved = None  # callback(delta) after a compaction
         self.created = False  # a new file (no earlier state to resume)
         self.rb = None  # read-ahead: bytes of the file from rb_off
@@ -510,9 +511,14 @@ class Queue:
         if self.kdirty:
             self.kdirty = False
             self.wb.extend(record(T_CURSOR, pack(">II", self.cursor, self.seq)))
-        if not self.wb:
-            return
         f = self.f
+        if not self.wb:
+            if sync and self.unsynced:
+                # the link's cursor commit (commit(False)) wrote messages that
+                # an acknowledgement may wait for: they are fsynced now
+                _sync(f)
+                self.unsynced = False
+            return
         f.seek(self.fend)
         n = len(self.wb)
         r = f.write(self.wb)
@@ -522,6 +528,7 @@ class Queue:
             _sync(f)
         else:
             f.flush()
+        self.unsynced = not sync
         if n <= 2 * _RA:
             # what was just written is what the link sends next: keep it as
             # the read-ahead (trusted: it never left RAM, no CRC to check)
@@ -570,6 +577,7 @@ class Queue:
         g.close()
         f.close()
         _rename(new, path)
+        self.unsynced = False  # every live record is in the synced copy
         self.rb = self.rbv = None
         delta = self.cursor - _HDR - 17
         self.f = open(path, "r+b")
@@ -769,8 +777,18 @@ class Bridge:
             self.pump()
         return True  # sendable after the commit, which wakes the link
 
-    def commit(self):
-        self.q.commit(self.durable)
+    def commit(self, syncer=None):
+        # syncer (the engine's, CPython): the queue is written and flushed
+        # here and its fsync runs beside the loop; the acknowledgements wait
+        # for it in Engine.commit()
+        q = self.q
+        if syncer is None or not self.durable:
+            q.commit(self.durable)
+        else:
+            q.commit(False)
+            if q.unsynced:
+                syncer.add(q.f)
+                q.unsynced = False
         self.pump()  # what came during the write and fsync
         self._kick()
 
@@ -1800,6 +1818,8 @@ def attach(broker, items, data_dir):
         broker.extras.append(b.run)
         out.append(b)
     eng = broker.engine
+    if eb._Syncer is not None and eng.syncer is None and any(b.durable for b in out):
+        eng.syncer = eb._Syncer()  # CPython: the queues' fsyncs beside the loop
     made = eng.sys_msgs
 
     def sys_msgs():

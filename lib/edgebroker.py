@@ -81,6 +81,10 @@ def _wallclock():
     return int(t) if t > 1577836800 else None
 
 
+# A thread that fsyncs beside the loop (CPython only, see Engine.commit);
+# MicroPython has none: there a commit writes and syncs in the loop.
+_Syncer = None
+
 if hasattr(select.poll(), "ipoll"):
     # MicroPython: ipoll yields (socket, event) without allocating a result
     # list; sockets are registered and looked up by object.
@@ -161,6 +165,102 @@ else:
     def _pending(sock):
         # decrypted bytes poll cannot see (TLS only)
         return sock.pending()
+
+    class _Syncer:
+        """Pipelined group commit (CPython): the loop writes a durable
+        sink's queue and goes on reading while this thread fsyncs it; the
+        acknowledgements of that turn wait for the fsync (Engine.commit). One
+        job at a time: what is written meanwhile goes into the next one. The
+        loop hands over dup()s of the file descriptors, so a compaction that
+        closes the file cannot pull one from under an fsync."""
+
+        def __init__(self):
+            import threading
+
+            self.fds = []  # loop: [(file, its dup'd fd)] written since the last start()
+            self.busy = False  # loop: a job was started and not yet collected
+            self.done = False  # the thread: the job is over
+            self.err = None  # ... and how (an OSError, or None)
+            self.wake = None  # the server's: called by the thread when done
+            self._cv = threading.Condition()
+            self._thread = threading.Thread
+            self._job = None
+            self._t = None
+
+        def add(self, f):
+            # one fsync per file and job, however many turns wrote to it
+            for g, _ in self.fds:
+                if g is f:
+                    return
+            self.fds.append((f, os.dup(f.fileno())))
+
+        def start(self):
+            job = self.fds
+            self.fds = []
+            self.busy = True
+            self.done = False
+            with self._cv:
+                self._job = job
+                if self._t is None:
+                    self._t = self._thread(target=self._run, name="edgebroker-fsync", daemon=True)
+                    self._t.start()
+                self._cv.notify()
+
+        def _run(self):
+            sync = getattr(os, "fdatasync", os.fsync)
+            while True:
+                with self._cv:
+                    while self._job is None:
+                        self._cv.wait()
+                    job = self._job
+                if job == "stop":
+                    return
+                err = None
+                for _, fd in job:
+                    try:
+                        sync(fd)
+                    except OSError as e:
+                        err = e
+                    os.close(fd)
+                with self._cv:
+                    self._job = None
+                    self.err = err
+                    self.done = True
+                    self._cv.notify_all()
+                w = self.wake
+                if w is not None:
+                    try:
+                        w()
+                    except (RuntimeError, OSError):
+                        pass  # the loop is gone (stopping): nothing waits
+
+        def bind(self, event):
+            # the asyncio server's wake event, set from this thread
+            loop = _aio.get_running_loop()
+            self.wake = lambda: loop.call_soon_threadsafe(event.set)
+
+        def collect(self):
+            """The finished job's error (None: synced); the loop calls it once done is set."""
+            self.busy = False
+            self.done = False
+            return self.err
+
+        def stop(self):
+            # waits for the job in flight (bounded by one fsync), ends the thread
+            with self._cv:
+                while self._job is not None and self._job != "stop":
+                    self._cv.wait()
+                if self._t is not None:
+                    self._t = None
+                    self._job = "stop"
+                    self._cv.notify()
+            for _, fd in self.fds:  # written since the last job: synced here
+                try:
+                    getattr(os, "fdatasync", os.fsync)(fd)
+                except OSError:
+                    pass  # nothing waits for it: no acknowledgement left
+                os.close(fd)
+            self.fds = []
 
 
 def _tls_wants(e):
@@ -1626,6 +1726,10 @@ class Engine:
         # with the store, before the acknowledgements that waited leave.
         self.sinks = []
         self.sdirty = False  # the store changed since the last commit()
+        # CPython with a durable sink: a _Syncer that fsyncs the sinks beside
+        # the loop (set by edgebridge.attach), and the acks its job waits for
+        self.syncer = None
+        self.gen = None  # [(conn, acks)] released when the syncer's job is done
         self._puts = 0  # new retained topics, to pace the heap check
         self.wills = []  # [deadline, session, msg, retain] delayed wills
         self.connected = 0
@@ -3111,7 +3215,10 @@ class Engine:
             self.run_local()
         if self.held and not self.congested:
             self.resume_held()
-        if self.sdirty or self.deferred:
+        sy = self.syncer
+        if sy is not None and sy.done:
+            self.synced()
+        if self.sdirty or self.deferred or (sy is not None and sy.fds and not sy.busy):
             self.commit()
 
     def idle(self):
@@ -3124,15 +3231,30 @@ class Engine:
         the acknowledgements that waited for it leave, in order (4.6). A
         failed commit acknowledges nothing. False if it failed."""
         ok = True
+        sy = self.syncer
         if self.sdirty:
             self.sdirty = False
             try:
                 self.store.commit()
                 for k in self.sinks:
-                    k.commit()
+                    k.commit(sy)
             except (OSError, MemoryError) as err:
                 self.store_failed(err)
                 ok = False
+        if sy is not None and (sy.busy or sy.fds):
+            # Pipelined (CPython): the sinks are written; their fsync runs in
+            # the syncer's thread while the loop goes on, and this turn's
+            # acks leave when it is done (synced). With a job in flight they
+            # wait for the next one, which covers what was written meanwhile.
+            if not sy.busy:
+                gen = []
+                for conn in self.deferred:
+                    if conn.defer:
+                        gen.append((conn, conn.defer))
+                        conn.defer = []  # later acks queue behind these (4.6)
+                self.gen = gen
+                sy.start()
+            return ok
         if self.deferred:
             for conn in self.deferred:
                 d = conn.defer
@@ -3142,9 +3264,37 @@ class Engine:
             self.deferred = []
         return ok
 
+    def synced(self):
+        """The syncer's job is over: its acks leave, in order, or, if the
+        fsync failed, are never sent (as store_failed: the clients that wait
+        are disconnected and resend). Connections with nothing more waiting
+        send their acks at once again."""
+        err = self.syncer.collect()
+        gen = self.gen or ()
+        self.gen = None
+        if err is not None:
+            self.log("error", "bridge queue fsync failed: %r", err)
+            self.refuse("store_io", "fsync failed")
+        for conn, acks in gen:
+            if err is None:
+                for a in acks:
+                    self.write(conn, a)
+            elif not conn.closed:
+                conn.defer = None
+                self.disconnect(conn, _RC_UNSPECIFIED, "store write failed")
+        keep = []
+        for conn in self.deferred:
+            if conn.defer and not conn.closed:
+                keep.append(conn)
+            else:
+                conn.defer = None
+        self.deferred = keep
+
     def shutdown(self):
         """Closes every connection (no wills: the broker stops, the clients
         did nothing wrong), ends retained deliveries, closes the store."""
+        if self.syncer is not None:
+            self.syncer.stop()
         for conn in list(self.conns):
             self.close(conn, False)
         for sess in self.sessions.values():
@@ -3879,6 +4029,8 @@ class Broker:
         self._wake = wake = aio.Event()
         self._flow = aio.Event()
         eng = self.engine
+        if eng.syncer is not None:
+            eng.syncer.bind(wake)  # a finished fsync wakes the loop
         acc = aio.create_task(self._acceptor())
         tick = aio.create_task(self._ticker())
         extra = [aio.create_task(f()) for f in self.extras]

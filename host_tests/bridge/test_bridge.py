@@ -1021,3 +1021,87 @@ def test_outbound_over_the_upstream_maximum_packet_size_is_skipped(broker_factor
     st = bridge_state(gw.port)
     assert st["too_large"] == 1 and st["backlog"] == 0 and st["connected"] is True
     assert "link down" not in gw.log_text()
+
+
+# A CPython broker whose fdatasync calls are traced: the file's inode, its
+# size when the call began and the monotonic time it returned (the clock
+# is system-wide, so the test process can compare its own readings).
+TRACED_BROKER = r'''
+import os, runpy, sys, time
+_real = os.fdatasync
+_log = open(%r, "a", buffering=1)
+
+
+def _traced(fd):
+    st = os.fstat(fd)
+    _real(fd)
+    _log.write("%%d %%d %%.6f\n" %% (st.st_ino, st.st_size, time.monotonic()))
+
+
+os.fdatasync = _traced
+sys.path.insert(0, %r)
+runpy.run_path(%r, run_name="__main__")
+'''
+
+
+@pytest.mark.parametrize("interp", ["cpython-async"], indirect=True)
+def test_no_puback_leaves_before_its_message_is_fsynced(broker_factory, tmp_path):
+    """Acknowledged means on flash (MQTT-4.3.2-2: the PUBACK transfers
+    ownership). Under CPython the bridge queue's fsync runs in a thread
+    beside the loop (pipelined group commit, Engine.commit); every PUBACK
+    must still come after an fsync that covered its message's record. The
+    upstream is not there, so the queue only grows (no compaction moves a
+    record). CPython only: the MicroPython unix port has no fsync (its
+    commit is a flush; on a board, littlefs syncs on flush)."""
+    import paho.mqtt.client as mqtt
+
+    sys.path.insert(0, str(REPO / "lib"))
+    import edgebridge
+
+    trace = tmp_path / "fsync.txt"
+    script = tmp_path / "traced_broker.py"
+    script.write_text(TRACED_BROKER % (str(trace), str(REPO / "lib"),
+                                       str(REPO / "lib" / "edgebroker.py")))
+    gw = gateway(broker_factory, [bridge(free_port(), OUT)], script=script)
+    acked = {}
+    c = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id="pub",
+                    protocol=mqtt.MQTTv5)
+    c.on_publish = lambda cl, ud, mid, rc, props: acked.setdefault(mid, time.monotonic())
+    c.max_inflight_messages_set(64)
+    c.max_queued_messages_set(0)
+    c.connect("127.0.0.1", gw.port, keepalive=60)
+    c.loop_start()
+    try:
+        mids = {}
+        for i in range(3):  # bursts: several commits in flight while more arrive
+            infos = [c.publish("sensors/x", b"m%04d" % (i * 400 + k), 1) for k in range(400)]
+            for k, info in enumerate(infos):
+                info.wait_for_publish(30)
+                assert info.is_published()
+                mids[info.mid] = b"m%04d" % (i * 400 + k)
+    finally:
+        c.disconnect()
+        c.loop_stop()
+    gw.stop()
+    qpath = tmp_path / "data" / "bridge-cloud.ebrq"
+    ino = os.stat(qpath).st_ino
+    syncs = []
+    for line in trace.read_text().splitlines():
+        i, size, t = line.split()
+        if int(i) == ino:
+            syncs.append((float(t), int(size)))
+    ends = {}
+    with open(qpath, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        pos = edgebridge._HDR
+        while pos < size:
+            rt, body, nxt = edgebridge.read_record(f, pos, size)
+            if rt is None:
+                break
+            if rt == edgebridge.T_MSG:
+                ends[bytes(edgebridge.decode_msg(body)[6])] = nxt
+            pos = nxt
+    assert len(ends) == 1200
+    early = [p for mid, p in mids.items()
+             if not any(t <= acked[mid] and s >= ends[p] for t, s in syncs)]
+    assert early == [], "PUBACK before its record was fsynced: %r" % early[:5]

@@ -223,3 +223,31 @@ def test_inspect_report_and_its_text(tmp_path):
     rep = bi.read_bridge_report(path)
     assert bi.bridge_problems(rep) == ["torn tail of 3 bytes at offset %d" % rep["torn_offset"]]
     assert "DAMAGED" in bi.format_bridge_report(rep)
+
+
+def test_a_durable_commit_fsyncs_what_the_cursor_commit_wrote(tmp_path, monkeypatch):
+    """The link writes its cursor record with commit(False) (no fsync, at
+    most every 0.2 s), and that writes the whole buffer: messages appended
+    in the same turn too. The engine's durable commit that follows has
+    nothing left to write, and must fsync anyway: the acknowledgements of
+    those messages wait for it. CPython (the MicroPython unix port has no
+    fsync at all; littlefs on a board syncs on flush)."""
+    calls = []
+    real = edgebridge._fsync
+    monkeypatch.setattr(edgebridge, "_fsync", lambda fd: (calls.append(fd), real(fd)))
+    q = edgebridge.Queue(str(tmp_path / "bridge-t.ebrq"), 1 << 20, True, 0.5, 4096,
+                         lambda level, text: None)
+    del calls[:]  # the new file's header
+    q.append(1, 0, 0, 0, b"t/1", b"", b"p1")
+    q.commit(False)
+    assert calls == [] and q.unsynced and q.fend > 8
+    q.commit(True)
+    assert len(calls) == 1 and not q.unsynced
+    q.commit(True)
+    assert len(calls) == 1  # nothing written since: no second fsync
+    q.append(1, 0, 0, 0, b"t/2", b"", b"p2")
+    q.commit(False)
+    q.advance(q.end, q.count)
+    q.compact()  # the synced copy holds every live record
+    assert not q.unsynced
+    q.close()
