@@ -367,3 +367,22 @@ def test_secrets_bridges_map_is_checked_naming_the_key(secrets, says):
     profile = {"bridges": [{"name": "cloud", "host": "h", "topics": [{"pattern": "a/#"}]}]}
     got = profiles.check_secret_bridges(secrets, profile)
     assert got == says if says is None else says in (got or "")
+
+
+def test_a_32bit_board_pays_each_module_import_as_measured_on_32_bits():
+    """Issue 12 item 1: config check budgets a word_bytes 4 board with the
+    32-bit measurement of each module's .mpy import (costs_32bit), not the
+    64-bit figure times a ratio (the 64-bit figures carry qstr pools that
+    fall to whichever module imports when one grows); every module,
+    edgebridge included, is measured by `make measure-memory`."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from edgebroker_tools import profiles
+
+    costs = json.loads((REPO / "boards" / "memory_costs.json").read_text())
+    figures = costs["costs_32bit"]["figures"]
+    for word, want in ((4, lambda m: round(figures["import_mpy." + m]["bytes_32"])),
+                       (8, lambda m: costs["costs"]["import_mpy"][m])):
+        got = profiles.for_word_size(costs, {"word_bytes": word})["costs"]["import_mpy"]
+        for m in ("edgebroker", "edgestore", "edgebridge"):
+            assert got[m] == want(m), (word, m)
+    assert {"edgebroker.py", "edgestore.py", "edgebridge.py"} <= set(costs["lib_sha256"])

@@ -66,16 +66,6 @@ BRIDGE_FIXED: Final = 8192
 BRIDGE_TLS: Final = 40960
 BRIDGE_INDEX_ENTRY: Final = 8
 BRIDGE_SMALL_HEAP: Final = 1048576
-# lib/edgebridge.py's code costs until boards/memory_costs.json measures them
-# (`make measure-memory`): import_mpy and mpy_file_bytes measured on the
-# 64-bit unix port (2026-11-23); import_romfs and min_heap_import_mpy scaled
-# from it by edgebroker's own ratios.
-BRIDGE_CODE: Final = {
-    "import_mpy": 29152,
-    "mpy_file_bytes": 18686,
-    "import_romfs": 12560,
-    "min_heap_import_mpy": 37510,
-}
 
 
 class ProfileError(Exception):
@@ -419,8 +409,11 @@ The worst case the broker can reach with the profile's counts, with live
 messages sized by typical_topic_bytes and typical_payload_bytes (the
 broker bounds how many messages it holds, not their size). Every cost is
 measured (boards/memory_costs.json, `make measure-memory`) on the 64-bit
-MicroPython unix port; for a board with word_bytes 4 each heap cost is
-scaled by the 32-bit/64-bit ratio of its kind, measured on the npm
+MicroPython unix port; for a board with word_bytes 4 a module's .mpy
+import is the one measured on the 32-bit port (the 64-bit figures carry the
+unix port's qstr pools, which fall to whichever module imports when one
+grows), and every other heap cost is scaled by the 32-bit/64-bit ratio of
+its kind, measured on the npm
 WebAssembly MicroPython (32-bit) and the unix port with the same
 in-process script (`costs_32bit`, edgebroker_tools.measure32: about x0.77
 for code, x0.5-0.6 for clients, subscriptions and messages, x1.0 for the
@@ -535,10 +528,15 @@ def ratio_32(costs: Mapping[str, Any], path: str) -> float:
 
 def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The costs as a board with cfg's word_bytes pays them: the 64-bit
-    figures as measured for 8; for 4, each scaled by its kind's measured
-    32-bit ratio (ratio_32), else by WORD4_PER_WORD8."""
+    figures as measured for 8; for 4, a module's .mpy import as measured on
+    the 32-bit port (costs_32bit: the 64-bit socket-level figures of the
+    modules carry the unix port's qstr pools, which grow by doubling and
+    fall to whichever module is importing then: 5-7 KB moved between
+    modules), every other figure scaled by its kind's measured 32-bit ratio
+    (ratio_32), else by WORD4_PER_WORD8."""
     if int(cfg.get("word_bytes", 4)) == 8:
         return costs
+    figures = costs.get("costs_32bit", {}).get("figures", {})
 
     def scale(node: Any, path: str) -> Any:
         if isinstance(node, dict):
@@ -547,6 +545,11 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
                 for k, v in node.items()
             }
         if isinstance(node, int) and not isinstance(node, bool):
+            direct = (
+                figures.get(path, {}).get("bytes_32") if path.startswith("import_mpy.") else None
+            )
+            if isinstance(direct, int | float) and direct > 0:
+                return round(direct)
             return round(node * ratio_32(costs, path))
         return node
 
@@ -558,13 +561,6 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
 def modules_for(cfg: Mapping[str, Any]) -> list[str]:
     mods = ["edgebroker"] if cfg["storage_type"] == "ram" else ["edgebroker", "edgestore"]
     return [*mods, "edgebridge"] if _bridges(cfg) else mods
-
-
-def _code_cost(costs: Mapping[str, Any], kind: str, module: str) -> int:
-    node = costs["costs"].get(kind)
-    if module == "edgebridge" and not (isinstance(node, dict) and module in node):
-        return BRIDGE_CODE[kind]
-    return _cost(costs, kind, module)
 
 
 def retained_count(cfg: Mapping[str, Any]) -> int | None:
@@ -581,7 +577,7 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
     items: list[HeapItem] = []
     mods = modules_for(cfg)
     kind = "import_romfs" if cfg["romfs"] else "import_mpy"
-    code = sum(_code_cost(costs, kind, m) for m in mods)
+    code = sum(_cost(costs, kind, m) for m in mods)
     where = "ROMFS" if cfg["romfs"] else ".mpy in RAM"
     items.append(HeapItem("code", code, f"{' + '.join(mods)} ({where})"))
 
@@ -868,7 +864,7 @@ def _check_bridges(report: Report, cfg: Profile, on: str) -> None:
 def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:
     mods = modules_for(cfg)
     kind = "import_romfs" if cfg["romfs"] else "import_mpy"
-    parts = [(m, _code_cost(costs, kind, m)) for m in mods]
+    parts = [(m, _cost(costs, kind, m)) for m in mods]
     code = sum(c for _, c in parts)
     budget = int(cfg["code_budget_bytes"])
     if code > budget:
@@ -879,7 +875,7 @@ def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
             f"code_budget_bytes = {budget}: must be >= {code}, the code {where} ({detail}){on}",
         )
     if not cfg["romfs"]:
-        files = [(m, _code_cost(costs, "mpy_file_bytes", m)) for m in mods]
+        files = [(m, _cost(costs, "mpy_file_bytes", m)) for m in mods]
         size = sum(c for _, c in files)
         if cfg["fs_reserve_bytes"] < size:
             report.error(
@@ -897,9 +893,9 @@ def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
     peak = 0
     kept = 0
     for m in mods:
-        need = kept + _code_cost(costs, "min_heap_import_mpy", m)
+        need = kept + _cost(costs, "min_heap_import_mpy", m)
         peak = max(peak, need)
-        kept += _code_cost(costs, "import_mpy", m)
+        kept += _cost(costs, "import_mpy", m)
     if not cfg["romfs"] and peak > cfg["heap_bytes"]:
         report.error(
             "heap_bytes",
