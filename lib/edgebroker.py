@@ -239,6 +239,12 @@ else:
             loop = _aio.get_running_loop()
             self.wake = lambda: loop.call_soon_threadsafe(event.set)
 
+        def wait(self):
+            # the loop waits for the job in flight (a local publish: see commit)
+            with self._cv:
+                while self._job is not None and self._job != "stop":
+                    self._cv.wait()
+
         def collect(self):
             """The finished job's error (None: synced); the loop calls it once done is set."""
             self.busy = False
@@ -254,13 +260,19 @@ else:
                     self._t = None
                     self._job = "stop"
                     self._cv.notify()
-            for _, fd in self.fds:  # written since the last job: synced here
+            self.sync_pending()  # nothing waits for it: no acknowledgement left
+
+        def sync_pending(self):
+            # in the loop: what waits for the next job (commit(now), stop)
+            err = None
+            for _, fd in self.fds:
                 try:
                     getattr(os, "fdatasync", os.fsync)(fd)
-                except OSError:
-                    pass  # nothing waits for it: no acknowledgement left
+                except OSError as e:
+                    err = e
                 os.close(fd)
             self.fds = []
+            return err
 
 
 def _tls_wants(e):
@@ -3225,23 +3237,33 @@ class Engine:
         """True when nothing waits for the next turn but I/O or the tick."""
         return not (self.busy or self.localq)
 
-    def commit(self):
+    def commit(self, now=False):
         """The one durability path: the store commits what changed (one
         commit per loop turn at most, whatever the number of publishes), then
         the acknowledgements that waited for it leave, in order (4.6). A
         failed commit acknowledges nothing. False if it failed."""
         ok = True
         sy = self.syncer
+        if now and sy is not None and sy.busy:
+            # now (a local publish returns once durable): the job in flight
+            # first, then this turn's writes are fsynced here, in the loop
+            sy.wait()
+            self.synced()
         if self.sdirty:
             self.sdirty = False
             try:
                 self.store.commit()
                 for k in self.sinks:
-                    k.commit(sy)
+                    k.commit(None if now else sy)
             except (OSError, MemoryError) as err:
                 self.store_failed(err)
                 ok = False
-        if sy is not None and (sy.busy or sy.fds):
+        if now and sy is not None and sy.fds:
+            err = sy.sync_pending()
+            if err is not None:
+                self.store_failed(err)
+                ok = False
+        if sy is not None and not now and (sy.busy or sy.fds):
             # Pipelined (CPython): the sinks are written; their fsync runs in
             # the syncer's thread while the loop goes on, and this turn's
             # acks leave when it is done (synced). With a job in flight they
@@ -3629,7 +3651,7 @@ class Broker:
         eng = self.engine
         eng.now_s = self.clock()
         eng.local_publish(topic, payload, qos, retain, properties)
-        if eng.sdirty and not eng.commit():
+        if eng.sdirty and not eng.commit(True):
             raise OSError("retained store write failed")
         self._kick()
 

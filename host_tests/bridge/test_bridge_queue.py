@@ -251,3 +251,47 @@ def test_a_durable_commit_fsyncs_what_the_cursor_commit_wrote(tmp_path, monkeypa
     q.compact()  # the synced copy holds every live record
     assert not q.unsynced
     q.close()
+
+
+def test_local_publish_returns_once_its_bridge_copy_is_fsynced(tmp_path, monkeypatch):
+    """Broker.publish() (code beside the broker) returns with the durability
+    a network PUBLISH gets at its PUBACK. Under CPython the bridge queue's
+    fsync normally runs in a thread (the pipelined commit); a local publish
+    waits for it: when publish() returns, an fdatasync has covered the
+    whole queue file. CPython only (the thread and fsync are CPython's)."""
+    import os
+    import socket
+
+    import edgebroker as eb
+
+    synced = []
+    real = os.fdatasync
+
+    def traced(fd):
+        size = os.fstat(fd).st_size
+        real(fd)
+        synced.append(size)
+
+    monkeypatch.setattr(os, "fdatasync", traced)
+    monkeypatch.setattr(edgebridge, "_fsync", traced)
+
+    def free_port():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port
+
+    prof = {"storage_type": "disc_only", "log_level": "error", "bridges": [{
+        "name": "cloud", "host": "127.0.0.1", "port": free_port(),  # nobody there
+        "topics": [{"pattern": "sensors/#", "qos": 1}]}]}
+    b = eb.start(prof, "127.0.0.1", free_port(), str(tmp_path))
+    try:
+        assert b.engine.syncer is not None
+        q = tmp_path / "bridge-cloud.ebrq"
+        for i in range(20):
+            b.publish("sensors/x", b"v%d" % i, 1)
+            assert synced and max(synced) >= q.stat().st_size, i
+    finally:
+        b.stop()
+        b.shutdown()
