@@ -260,9 +260,9 @@ def test_local_publish_returns_once_its_bridge_copy_is_fsynced(tmp_path, monkeyp
     waits for it: when publish() returns, an fdatasync has covered the
     whole queue file. CPython only (the thread and fsync are CPython's)."""
     import os
-    import socket
 
     import edgebroker as eb
+    from mqtt_helpers import free_port
 
     synced = []
     real = os.fdatasync
@@ -274,13 +274,6 @@ def test_local_publish_returns_once_its_bridge_copy_is_fsynced(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "fdatasync", traced)
     monkeypatch.setattr(edgebridge, "_fsync", traced)
-
-    def free_port():
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        return port
 
     prof = {"storage_type": "disc_only", "log_level": "error", "bridges": [{
         "name": "cloud", "host": "127.0.0.1", "port": free_port(),  # nobody there
