@@ -1128,12 +1128,19 @@ def retained_round_trip(port, topic, payload, topic_filter, cid="rt"):
             sub.client.disconnect()
 
 
-def first_line(argv):
-    """Starts argv (a script that prints one line when it is ready) and
-    returns (process, that line); stop it with stop_process(). A process
-    that ended before saying anything: its stderr is the line."""
+def served_retained(argv, ready, port, topic, payload, topic_filter, cid="rt"):
+    """Starts argv (a broker script that prints one line when it is ready),
+    and if that line is `ready`, sends a retained QoS 1 message through it
+    (retained_round_trip); stops the process. Returns (the line, paho's
+    message or None). A process that ended before saying anything: its
+    stderr is the line."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().strip()
-    if not line and proc.poll() is not None:
-        line = proc.stderr.read()
-    return proc, line
+    try:
+        line = proc.stdout.readline().strip()
+        if not line and proc.poll() is not None:
+            line = proc.stderr.read()
+        if line != ready:
+            return line, None
+        return line, retained_round_trip(port, topic, payload, topic_filter, cid)
+    finally:
+        stop_process(proc)  # the process this helper started, by its handle

@@ -183,9 +183,9 @@ else:
             self.err = None  # ... and how (an OSError, or None)
             self.wake = None  # the server's: called by the thread when done
             self._cv = threading.Condition()
-            self._thread = threading.Thread
             self._job = None
-            self._t = None
+            self._t = threading.Thread(target=self._run, name="edgebroker-fsync", daemon=True)
+            self._t.start()  # waits for jobs; made only for a broker with a durable bridge
 
         def add(self, f):
             # one fsync per file and job, however many turns wrote to it
@@ -201,13 +201,9 @@ else:
             self.done = False
             with self._cv:
                 self._job = job
-                if self._t is None:
-                    self._t = self._thread(target=self._run, name="edgebroker-fsync", daemon=True)
-                    self._t.start()
                 self._cv.notify()
 
         def _run(self):
-            sync = getattr(os, "fdatasync", os.fsync)
             while True:
                 with self._cv:
                     while self._job is None:
@@ -215,13 +211,7 @@ else:
                     job = self._job
                 if job == "stop":
                     return
-                err = None
-                for _, fd in job:
-                    try:
-                        sync(fd)
-                    except OSError as e:
-                        err = e
-                    os.close(fd)
+                err = _sync_fds(job)
                 with self._cv:
                     self._job = None
                     self.err = err
@@ -253,9 +243,8 @@ else:
 
         def stop(self):
             # waits for the job in flight (bounded by one fsync), ends the thread
+            self.wait()
             with self._cv:
-                while self._job is not None and self._job != "stop":
-                    self._cv.wait()
                 if self._t is not None:
                     self._t = None
                     self._job = "stop"
@@ -264,15 +253,21 @@ else:
 
         def sync_pending(self):
             # in the loop: what waits for the next job (commit(now), stop)
-            err = None
-            for _, fd in self.fds:
-                try:
-                    getattr(os, "fdatasync", os.fsync)(fd)
-                except OSError as e:
-                    err = e
-                os.close(fd)
+            fds = self.fds
             self.fds = []
-            return err
+            return _sync_fds(fds)
+
+    def _sync_fds(fds):
+        # [(file, dup'd fd)]: each fsynced (data and size) and closed; the last error
+        err = None
+        sync = getattr(os, "fdatasync", os.fsync)
+        for _, fd in fds:
+            try:
+                sync(fd)
+            except OSError as e:
+                err = e
+            os.close(fd)
+        return err
 
 
 def _tls_wants(e):

@@ -1237,25 +1237,31 @@ class FlashStore:
             return
         if nc != self.compactions:
             p = self._find(tb)  # _emit compacted first (a torn tail): entries moved
-        x = 1 if flags & F_EXP else 0
-        e = self._entry(off, x)
+        e = self._entry(off, 1 if flags & F_EXP else 0)
+        if p >= 0:
+            self._note(self._fg, e, self._ix[p], self._msgs[p] if self._msgs is not None else None)
+        else:
+            self._note(self._fg, e, -1, None)
+        self._place(p, e, msg, size)
+
+    def _place(self, p, e, m, size):
+        # entry e (message m in "disc", a record of size bytes) for the topic
+        # _find() last looked for: it replaces the entry at p, or (p < 0) goes
+        # in where _find() said; the counters follow (put, and open's replay)
         g = self._fg
         if p >= 0:
             old = self._found_size(p)
-            o = self._ix[p]
-            self._note(g, e, o, self._msgs[p] if self._msgs is not None else None)
-            if o & 1:
+            if self._ix[p] & 1:
                 self._nexp -= 1
-            self._set(p, g, e, msg)
+            self._set(p, g, e, m)
             self._live += size - old
             self.nbytes += size - old
         else:
-            self._insert(self._fp, g, e, msg)
-            self._note(g, e, -1, None)
+            self._insert(self._fp, g, e, m)
             self.count += 1
             self._live += size
             self.nbytes += size - PUT_OVERHEAD
-        self._nexp += x
+        self._nexp += e & 1
 
     def delete(self, topic):
         if self._f is None:
@@ -1831,8 +1837,7 @@ class FlashStore:
                 # records so far say the whole file holds (few large blocks)
                 self._room(off + n, self._n * size // (off + n) + 64)
                 q = self._find(tb)
-                xb = 1 if flags & F_EXP else 0
-                e = self._entry(off, xb)
+                e = self._entry(off, 1 if flags & F_EXP else 0)
                 m = None
                 if msgs is not None:
                     # the deadline waits for the end of the scan (T is not known yet)
@@ -1845,19 +1850,7 @@ class FlashStore:
                         (stime, rem, wall) if flags & F_EXP else 0,
                         flags & F_OWN,
                     )
-                if q >= 0:
-                    old = self._found_size(q)
-                    if self._ix[q] & 1:
-                        self._nexp -= 1
-                    self._set(q, self._fg, e, m)
-                    self._live += n - old
-                    self.nbytes += n - old
-                else:
-                    self._insert(self._fp, self._fg, e, m)
-                    self.count += 1
-                    self._live += n
-                    self.nbytes += n - PUT_OVERHEAD
-                self._nexp += xb
+                self._place(q, e, m, n)
             elif kind == T_DEL:
                 st["records"] += 1
                 q = self._find(x)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import first_line, free_port, retained_round_trip, stop_process
+from mqtt_helpers import free_port, served_retained
 
 REPO = Path(__file__).resolve().parents[2]
 MP = Path(sys.executable).parent / "micropython"
@@ -59,10 +59,7 @@ def test_asyncio_server_runs_on_uasyncio(interp):
     code = LAUNCH % {"lib": str(REPO / "lib"), "hide": HIDE[interp], "port": port,
                      "profile": json.dumps({"max_clients": 4})}
     exe = sys.executable if interp == "cpython" else str(MP)
-    proc, line = first_line([exe, "-u", "-c", code] if interp == "cpython" else [exe, "-c", code])
-    try:
-        assert line == "fallback", line
-        m = retained_round_trip(port, "ua/t", b"v", "ua/#", "ua")
-        assert (m.topic, m.payload, m.retain) == ("ua/t", b"v", True)
-    finally:
-        stop_process(proc)  # the process this test started, by its handle
+    argv = [exe, "-u", "-c", code] if interp == "cpython" else [exe, "-c", code]
+    line, m = served_retained(argv, "fallback", port, "ua/t", b"v", "ua/#", "ua")
+    assert line == "fallback", line
+    assert (m.topic, m.payload, m.retain) == ("ua/t", b"v", True)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import first_line, free_port, retained_round_trip, stop_process
+from mqtt_helpers import free_port, served_retained
 
 from edgebroker_tools import runner
 from edgebroker_tools.commands import build as build_cmd
@@ -112,12 +112,9 @@ def test_board_build_serves_retained_on_flash_under_micropython(tmp_path):
     profile = {"storage_type": "disc_only", "max_retained_messages": 64}
     code = LAUNCH % {"dir": str(board.parent), "profile": json.dumps(profile), "port": port,
                      "data": str(data)}
-    proc, line = first_line([str(MP), "-c", code])
-    try:
-        assert line == "ready", line
-        m = retained_round_trip(port, "site/board/temp", b"21.5", "site/+/temp", "board")
-        assert (m.topic, m.payload, m.retain) == ("site/board/temp", b"21.5", True)
-    finally:
-        stop_process(proc)  # the process this test started, by its handle
+    line, m = served_retained([str(MP), "-c", code], "ready", port, "site/board/temp", b"21.5",
+                              "site/+/temp", "board")
+    assert line == "ready", line
+    assert (m.topic, m.payload, m.retain) == ("site/board/temp", b"21.5", True)
     store = (data / "retained.ebrs").read_bytes()
     assert b"site/board/temp" in store and b"21.5" in store
