@@ -305,9 +305,12 @@ class Queue:
         self.drop_oldest = drop_oldest
         self.ratio = ratio
         self.min_bytes = min_bytes
-        # an eighth of the budget, at most 64 KB, and at most what the
-        # flash model allows beyond it (budget x ratio: config check)
-        self.slack = min(budget >> 3, 65536, int(budget * ratio))
+        # an eighth of the budget, at most 1 MB, and at most what the
+        # flash model allows beyond it (budget x ratio: config check). A
+        # compaction copies only what is queued, so its cost (a new file,
+        # fsync, rename) is per compaction: with a large budget, a link that
+        # keeps up compacts every 12,000 short messages, not every 700
+        self.slack = min(budget >> 3, 1048576, int(budget * ratio))
         self._log = log
         self.f = None
         self.wb = bytearray()  # appended, not yet written
