@@ -14,9 +14,10 @@ one missing messages. Scenarios:
   throughput  QoS 1 messages/s from the local publishers to the upstream
               collector, upstream up: --publishers OS processes (4), each
               one MQTT client with a window of 64, both bridges at 20 in
-              flight; the publishers' CPU and this process's (collector and
-              gate) are printed beside it, so a saturated load generator
-              shows
+              flight; once with the edge connected straight to the upstream
+              (direct) and once through the gate; the publishers' CPU and
+              this process's (collector and gate) are printed beside it, so
+              a saturated load generator shows
   drain       a backlog of N messages queued during an outage: seconds and
               messages/s from the first to the last arrival once the gate opens
   power cut   the edge SIGKILLed after a quarter of the backlog arrived and
@@ -416,38 +417,67 @@ def sys_value(port: int, topic: str) -> float | None:
         c.close()
 
 
+def _throughput(ep: EdgeProc, col: Collector, start: int, n: int) -> dict[str, Any]:
+    """n QoS 1 messages from the publisher processes through ep to the
+    collector: rate, losses, the load generator's CPU."""
+    col.expect(start, n)
+    t0 = time.monotonic()
+    me0 = time.process_time()
+    pub_cpu = publish_procs(ep.port, n, start, PUBLISHERS)
+    ok = col.wait(n, 120)
+    # from the first local PUBLISH to the last arrival upstream
+    wall = max(1e-9, col.last - t0)
+    return {
+        "msg_s": n / wall if ok else None,
+        "lost": col.lost(),
+        # the load generator's CPU, in % of one core: near 100% per
+        # publisher would mean the publishers, not the edge, set the rate
+        "publishers_cpu_pct": round(100 * pub_cpu / wall / PUBLISHERS),
+        "bench_process_cpu_pct": round(100 * (time.process_time() - me0) / wall),
+    }
+
+
 def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> dict[str, Any]:
     out: dict[str, Any] = {"edge": edge.name}
     with upstream(work) as up:
-        gate = Gate(up)
         col = Collector(up)
+        gate = Gate(up)
         ep = EdgeProc(edge, work / "edge", gate.port)
+        base = n_tp
         try:
+            if not edge.extra:
+                # -- throughput with the edge connected straight to the
+                # upstream (no gate: the gate is a Python relay, one more
+                # hop of latency in every round trip of the 20-message window)
+                direct = EdgeProc(edge, work / "direct", up)
+                try:
+                    direct.start()
+                    time.sleep(1.5)  # the bridge connects
+                    d = _throughput(direct, col, 0, n_tp)
+                finally:
+                    direct.stop()
+                out["direct_msg_s"] = d["msg_s"]
+                out["direct_lost"] = d["lost"]
+                out["direct_publishers_cpu_pct"] = d["publishers_cpu_pct"]
             ep.start()
             time.sleep(1.5)  # the bridge connects
             if not edge.extra:
-                # -- throughput, upstream up
-                col.expect(0, n_tp)
-                t0 = time.monotonic()
-                me0 = time.process_time()
-                pub_cpu = publish_procs(ep.port, n_tp, 0, PUBLISHERS)
-                ok = col.wait(n_tp, 120)
-                # from the first local PUBLISH to the last arrival upstream
-                wall = max(1e-9, col.last - t0)
-                out["throughput_msg_s"] = n_tp / wall if ok else None
-                out["throughput_lost"] = col.lost()
-                # the load generator's CPU, in % of one core: near 100% per
-                # publisher would mean the publishers, not the edge, set the rate
-                out["publishers_cpu_pct"] = round(100 * pub_cpu / wall / PUBLISHERS)
-                out["bench_process_cpu_pct"] = round(100 * (time.process_time() - me0) / wall)
+                # -- throughput through the gate, upstream up
+                g = _throughput(ep, col, base, n_tp)
+                base += n_tp
+                out["throughput_msg_s"] = g["msg_s"]
+                out["throughput_lost"] = g["lost"]
+                out["publishers_cpu_pct"] = g["publishers_cpu_pct"]
+                out["bench_process_cpu_pct"] = g["bench_process_cpu_pct"]
                 # -- drain of a backlog
                 gate.close_gate()
                 time.sleep(1.0)
                 heap0 = None
                 if edge.kind == "micropython":
                     heap0 = sys_value(ep.port, "$SYS/broker/heap/alloc")
-                col.expect(n_tp, n_drain)
-                publish(ep.port, n_drain, start=n_tp)
+                col.expect(base, n_drain)
+                publish(ep.port, n_drain, start=base)
+                base += n_drain
                 if edge.kind != "mosquitto":
                     qf = ep.data / "bridge-cloud.ebrq"
                     out["flash_bytes_per_msg"] = round((qf.stat().st_size - 8) / n_drain, 1)
@@ -466,7 +496,6 @@ def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> di
             # -- power cut mid-drain
             gate.close_gate()
             time.sleep(1.0)
-            base = n_tp + n_drain
             col.expect(base, n_kill)
             publish(ep.port, n_kill, start=base)
             gate.open = True
@@ -492,17 +521,30 @@ def table(rows: list[dict[str, Any]], sizes: dict[str, int]) -> str:
             return f"{v:,.{digits}f}"
         return f"{v:,}"
 
+    # each edgebroker rate beside its ratio to mosquitto's in the same run
+    ref = next((r for r in rows if r["edge"] == "mosquitto"), {})
+
+    def rate(r: dict[str, Any], key: str) -> str:
+        v, m = r.get(key), ref.get(key)
+        if v is None or not m or r is ref:
+            return f(v)
+        return f"{f(v)} ({v / m:.2f}x)"
+
     head = (
-        "| edge broker | forwarding QoS 1 (msg/s) | lost | publishers' CPU (% of a core each) | "
+        "| edge broker | forwarding QoS 1, direct (msg/s) | forwarding QoS 1, through the gate "
+        "(msg/s) | lost | publishers' CPU (% of a core each) | "
         "drain {d:,} (s) | drain (msg/s) | "
         "lost in drain | lost after SIGKILL mid-drain ({k:,}) | duplicates | "
         "heap B/queued msg | flash B/queued msg |".format(d=sizes["drain"], k=sizes["kill"])
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        lost = None
+        if r.get("throughput_lost") is not None:
+            lost = r["throughput_lost"] + (r.get("direct_lost") or 0)
         lines.append(
-            f"| {r['edge']} | {f(r.get('throughput_msg_s'))} | {f(r.get('throughput_lost'))} | "
-            f"{f(r.get('publishers_cpu_pct'))} | {f(r.get('drain_s'), 2)} | "
+            f"| {r['edge']} | {rate(r, 'direct_msg_s')} | {rate(r, 'throughput_msg_s')} | "
+            f"{f(lost)} | {f(r.get('publishers_cpu_pct'))} | {f(r.get('drain_s'), 2)} | "
             f"{f(r.get('drain_msg_s'))} | {f(r.get('drain_lost'))} | "
             f"{f(r.get('power_cut_lost'))} | {f(r.get('power_cut_duplicates'))} | "
             f"{f(r.get('heap_bytes_per_msg'), 2)} | {f(r.get('flash_bytes_per_msg'), 1)} |"
