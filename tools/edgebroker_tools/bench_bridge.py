@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from edgebroker_tools import runner
+from edgebroker_tools import bridge_inspect, runner
 from edgebroker_tools.mqttclient import Client, MqttError
 
 MOSQUITTO: Final = "/usr/sbin/mosquitto"
@@ -476,15 +476,15 @@ def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> di
                 if edge.kind == "micropython":
                     heap0 = sys_value(ep.port, "$SYS/broker/heap/alloc")
                 col.expect(base, n_drain)
-                qf = ep.data / "bridge-cloud.ebrq"
-                # what the file grows by: it may still hold the dead prefix
-                # the throughput run left (compaction waits for enough of it)
-                size0 = qf.stat().st_size if edge.kind != "mosquitto" else 0
                 publish(ep.port, n_drain, start=base)
                 base += n_drain
                 if edge.kind != "mosquitto":
-                    grown = qf.stat().st_size - size0
-                    out["flash_bytes_per_msg"] = round(grown / n_drain, 1)
+                    # the file past its dead prefix (what the throughput run
+                    # left and compaction has not yet dropped), per message
+                    qf = ep.data / "bridge-cloud.ebrq"
+                    rep = bridge_inspect.read_bridge_report(qf, limit=0)
+                    live = qf.stat().st_size - 8 - int(rep["dead_bytes"])
+                    out["flash_bytes_per_msg"] = round(live / max(1, int(rep["backlog"])), 1)
                 if heap0 is not None:
                     time.sleep(11)  # $SYS heap figures are made at most every sys_interval
                     heap1 = sys_value(ep.port, "$SYS/broker/heap/alloc")
