@@ -471,7 +471,7 @@ second copy of the live records to <file>.new before the rename.
 
 Each bridge's queue file data/bridge-<name>.ebrq is compacted by the same
 rule (compact_ratio, compact_min_bytes), and while messages are still queued
-only once min(queue_bytes / 8, 64 KB, queue_bytes x compact_ratio) bytes
+only once min(queue_bytes / 8, 1 MB, queue_bytes x compact_ratio) bytes
 are dead (a link that keeps up does not rewrite the file every few KB; a
 drained queue is emptied at compact_min_bytes). Counted with the store's
 peak:
