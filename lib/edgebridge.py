@@ -637,10 +637,21 @@ class Bridge:
         cfg = broker.cfg
         self.durable = cfg["storage_type"] in ("disc", "disc_only")
         self.outr = []  # outbound rules: (local filter levels, rule)
+        # put()'s view of them: (prefix, levels, rule, remote prefix bytes,
+        # local prefix length in bytes); prefix is "a/b/" for a filter
+        # "a/b/#" without "+" (matched by startswith, no split per message:
+        # the same topics, MQTT-4.7.1), else None
+        self.outm = []
         self.inr = []  # inbound rules: (remote filter, remote filter levels, rule)
         for r in c["topics"]:
             if r["direction"] in ("out", "both"):
-                self.outr.append(((r["local_prefix"] + r["pattern"]).split("/"), r))
+                f = r["local_prefix"] + r["pattern"]
+                self.outr.append((f.split("/"), r))
+                pre = None
+                if len(f) > 2 and f[-2:] == "/#" and "+" not in f and f[-3] != "/":
+                    pre = f[:-1]
+                rb = r["remote_prefix"].encode()
+                self.outm.append((pre, f.split("/"), r, rb, len(r["local_prefix"].encode())))
             if r["direction"] in ("in", "both"):
                 f = r["remote_prefix"] + r["pattern"]
                 self.inr.append((f, f.split("/"), r))
@@ -732,12 +743,16 @@ class Bridge:
         if self.inbound:
             return False  # came from upstream: never sent back (no loop)
         topic = msg[0]
-        for flev, r in self.outr:  # noqa: B007 (r is read after the break)
-            if eb.topic_matches(flev, topic):
+        for pre, flev, r, rb, ll in self.outm:  # noqa: B007 (read after the break)
+            if pre is not None:
+                # "a/b/#" matches "a/b" and everything below it (4.7.1.2)
+                if topic.startswith(pre) or topic == pre[:-1]:
+                    break
+            elif eb.topic_matches(flev, topic):
                 break
         else:
             return False
-        rt = r["remote_prefix"] + topic[len(r["local_prefix"]) :]
+        tb = rb + msg[1][ll:]  # the remote topic, from the topic's bytes
         qos = min(msg[3], r["qos"])
         exp = 0
         flags = F_RETAIN if retain else 0
@@ -751,13 +766,12 @@ class Bridge:
         if qos == 0:
             if self.up and len(self.out) < self.eng.max_outbuf:
                 self._publish(
-                    rt.encode(), qos, retain, 0, msg[4], exp if flags & F_EXP else -1, msg[2], False
+                    tb, qos, retain, 0, msg[4], exp if flags & F_EXP else -1, msg[2], False
                 )
                 self._kick()
             else:
                 self.dropped0 += 1
             return False
-        tb = rt.encode()
         pos = self.q.end
         if self.pace and not self.split:
             self._mark(tb)

@@ -420,6 +420,36 @@ def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collec
 
 
 @ASYNC
+def test_outbound_rules_match_as_topic_filters_MQTT_4_7_1(broker_factory, upstream, collector):
+    """An out rule "p/#" is matched by prefix (no split per message): it
+    takes "p" itself and everything below it and nothing else (4.7.1.2);
+    a rule with "+" goes the general way; the remote topic is made from
+    the topic's bytes, so a local prefix with a multi-byte character is cut
+    at its byte length."""
+    up = upstream()
+    col = collector(up.port)
+    rules = [
+        {"pattern": "sensors/#", "qos": 1, "remote_prefix": "site1/gw1/"},
+        {"pattern": "a/+/c", "qos": 1, "remote_prefix": "site1/gw1/"},
+        {"pattern": "x/#", "qos": 1, "local_prefix": "l\u00e9/", "remote_prefix": "site1/gw1/"},
+    ]
+    gw = gateway(broker_factory, [bridge(up.port, rules)])
+    wait_connected(gw)
+    publish_many(gw.port, [
+        ("sensors", b"parent"), ("sensors/t/1", b"below"), ("sensorsX/1", b"no"),
+        ("sensors2", b"no"), ("a/b/c", b"plus"), ("a/b/d", b"no"), ("a/b/c/d", b"no"),
+        ("l\u00e9/x", b"lparent"), ("l\u00e9/x/1", b"lbelow"), ("l\u00e9/y", b"no"),
+        ("x/1", b"no"),
+    ])
+    want = {("site1/gw1/sensors", b"parent"), ("site1/gw1/sensors/t/1", b"below"),
+            ("site1/gw1/a/b/c", b"plus"), ("site1/gw1/x", b"lparent"),
+            ("site1/gw1/x/1", b"lbelow")}
+    assert wait_for(lambda: arrived(col) >= want, 10), arrived(col)
+    time.sleep(0.5)
+    assert arrived(col) == want
+
+
+@ASYNC
 def test_inbound_and_outbound_at_once_lose_nothing(broker_factory, upstream, collector):
     """Inbound PUBLISHes arrive while local traffic is forwarded: the link is
     then serviced between local packets (Bridge.pump), which takes only
