@@ -1178,8 +1178,13 @@ def topic_matches(flevels, topic):
         return True  # the whole-set delivery: no split per message
     tlevels = topic.split("/")
     n = len(tlevels)
+    m = len(flevels)
     i = 0
-    for lv in flevels:
+    # an index, not `for lv in flevels`: MicroPython keeps a for loop's
+    # iterator in the frame, which then no longer fits on the C stack; a
+    # frame from the heap made this function 8x slower (docs/boards.md)
+    while i < m:
+        lv = flevels[i]
         if lv == "#":
             return True
         if i >= n:
