@@ -636,22 +636,20 @@ class Bridge:
         self.v5 = c["protocol"] == 5
         cfg = broker.cfg
         self.durable = cfg["storage_type"] in ("disc", "disc_only")
-        self.outr = []  # outbound rules: (local filter levels, rule)
-        # put()'s view of them: (prefix, levels, rule, remote prefix bytes,
-        # local prefix length in bytes); prefix is "a/b/" for a filter
-        # "a/b/#" without "+" (matched by startswith, no split per message:
-        # the same topics, MQTT-4.7.1), else None
-        self.outm = []
+        # outbound rules: (local filter levels, rule, prefix, remote prefix
+        # bytes, local prefix length in bytes); prefix is "a/b/" for a
+        # filter "a/b/#" without "+" (put() matches it by startswith, no
+        # split per message: the same topics, MQTT-4.7.1), else None
+        self.outr = []
         self.inr = []  # inbound rules: (remote filter, remote filter levels, rule)
         for r in c["topics"]:
             if r["direction"] in ("out", "both"):
                 f = r["local_prefix"] + r["pattern"]
-                self.outr.append((f.split("/"), r))
                 pre = None
                 if len(f) > 2 and f[-2:] == "/#" and "+" not in f and f[-3] != "/":
                     pre = f[:-1]
                 rb = r["remote_prefix"].encode()
-                self.outm.append((pre, f.split("/"), r, rb, len(r["local_prefix"].encode())))
+                self.outr.append((f.split("/"), r, pre, rb, len(r["local_prefix"].encode())))
             if r["direction"] in ("in", "both"):
                 f = r["remote_prefix"] + r["pattern"]
                 self.inr.append((f, f.split("/"), r))
@@ -743,7 +741,7 @@ class Bridge:
         if self.inbound:
             return False  # came from upstream: never sent back (no loop)
         topic = msg[0]
-        for pre, flev, r, rb, ll in self.outm:  # noqa: B007 (read after the break)
+        for flev, r, pre, rb, ll in self.outr:  # noqa: B007 (read after the break)
             if pre is not None:
                 # "a/b/#" matches "a/b" and everything below it (4.7.1.2)
                 if topic.startswith(pre) or topic == pre[:-1]:
@@ -879,12 +877,13 @@ class Bridge:
         # outbound topics once (later changes, deletes included, follow
         # through the queue)
         store = self.eng.store
-        for flev, r in self.outr:
-            for m in store.match(flev):
-                for f2, r2 in self.outr:  # noqa: B007 (r2 is read after the break)
-                    if eb.topic_matches(f2, m[0]):
+        for o in self.outr:
+            r = o[1]
+            for m in store.match(o[0]):
+                for o2 in self.outr:  # noqa: B007 (o2 is read after the break)
+                    if eb.topic_matches(o2[0], m[0]):
                         break
-                if r2 is r:
+                if o2[1] is r:
                     self.put(m, 1, None)
         self.eng.sdirty = True  # committed at the first turn
 
@@ -1683,9 +1682,10 @@ class Bridge:
         if self.c["protocol"] == 4:
             # 3.1.1 has no No Local: a topic the bridge also sends up may be
             # our own message coming back, so it is not published locally
-            for flev, r2 in self.outr:
+            for o in self.outr:
+                r2 = o[1]
                 if (
-                    eb.topic_matches(flev, local)
+                    eb.topic_matches(o[0], local)
                     and r2["remote_prefix"] + local[len(r2["local_prefix"]) :] == topic
                 ):
                     self.looped += 1

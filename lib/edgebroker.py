@@ -3502,8 +3502,12 @@ class Engine:
                 self.end_session(sess)
             elif sess.queue and sess.conn is None:
                 q = sess.queue
-                while q and q_msg(q[0])[_M_EXP] and q_msg(q[0])[_M_EXP] <= now:
-                    sess.qbytes -= msg_size(q_msg(q.pop(0)))
+                while q:
+                    m = q_msg(q[0])
+                    if not m[_M_EXP] or m[_M_EXP] > now:
+                        break
+                    q.pop(0)
+                    sess.qbytes -= msg_size(m)
         if self.store.expire(now, 64) and self.store.durable:
             self.sdirty = True
         si = self.cfg["sys_interval"]
