@@ -1,6 +1,8 @@
 """The board build drops host-only code (runner.board_source): the CPython
 branches of edgebroker's compat block and its command line. Blanked, not
-deleted, so a board's traceback line numbers are the source's. The stripped
+deleted, so that a `--lines` build's tracebacks give the source's line
+numbers; the default build (runner.BOARD_OPT) keeps none, and its
+tracebacks name the functions. The stripped
 module is MicroPython-only by construction, so it is served here under
 MicroPython only, with real clients on 127.0.0.1; the whole module (host,
 emulator, every other test) runs under both interpreters."""
@@ -84,6 +86,62 @@ def test_edgebroker_build_ships_the_board_build(tmp_path):
     build_cmd.compile_mpy(REPO / "lib" / "edgebroker.py", out)
     board = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "b", board=True)
     assert out.read_bytes() == board.read_bytes()
+
+
+TRACEBACK_SRC = """def inner(x):
+    y = x + 1
+    return y / 0
+
+
+def outer():
+    return inner(2)
+"""
+
+
+def _traceback(mpy_dir: Path) -> str:
+    code = "import sys\nsys.path.insert(0, %r)\nimport tbmod\ntbmod.outer()\n" % str(mpy_dir)
+    r = subprocess.run([str(MP), "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    return r.stdout + r.stderr
+
+
+def test_board_build_tracebacks_name_functions_and_lines_builds_give_lines(tmp_path):
+    """mpy-cross -O3 (runner.BOARD_OPT) leaves the line numbers out: on the
+    board a traceback still names each function; `--lines` (opt 0) keeps
+    the source's line numbers, host-only blocks blanked, not deleted."""
+    src = tmp_path / "tbmod.py"
+    src.write_text("# >>> host only\nimport os\n# <<< host only\n" + TRACEBACK_SRC)
+    build_cmd.compile_mpy(src, tmp_path / "default" / "tbmod.mpy")
+    build_cmd.compile_mpy(src, tmp_path / "lines" / "tbmod.mpy", opt=0)
+    plain = _traceback(tmp_path / "default")
+    assert 'File "tbmod.py", line 1, in outer' in plain, plain
+    assert 'File "tbmod.py", line 1, in inner' in plain, plain
+    assert "ZeroDivisionError" in plain
+    lines = _traceback(tmp_path / "lines")
+    assert 'File "tbmod.py", line 10, in outer' in lines, lines
+    assert 'File "tbmod.py", line 6, in inner' in lines, lines
+    assert (tmp_path / "default" / "tbmod.mpy").stat().st_size < (
+        tmp_path / "lines" / "tbmod.mpy"
+    ).stat().st_size
+
+
+def test_build_lines_is_its_own_build(tmp_path):
+    """`edgebroker build --lines`: a build of its own (the manifest says so, and a
+    default build is not current for it), with larger bytecode and a report line
+    saying what config check does not count."""
+    plain = build_cmd.load_target("esp32")
+    debug = build_cmd.load_target("esp32", lines=True)
+    small = build_cmd.build(plain, tmp_path)
+    assert build_cmd.is_current(plain, tmp_path / "esp32")
+    assert not build_cmd.is_current(debug, tmp_path / "esp32")
+    man = json.loads((tmp_path / "esp32" / build_cmd.MANIFEST).read_text())
+    assert man["line_numbers"] is False
+    big = build_cmd.build(debug, tmp_path)
+    man = json.loads((tmp_path / "esp32" / build_cmd.MANIFEST).read_text())
+    assert man["line_numbers"] is True
+    assert big.bytecode_bytes > small.bytecode_bytes * 1.05
+    assert "--lines: tracebacks give line numbers" in build_cmd.report(big)
+    assert "--lines" not in build_cmd.report(small)
 
 
 LAUNCH = r"""

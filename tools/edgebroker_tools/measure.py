@@ -471,7 +471,7 @@ def firmware_cost(source: Path, tmp: Path) -> dict[str, int]:
     port has none; gateway.py only names it at import)."""
     fw_dir = tmp / "firmware"
     fw_dir.mkdir(exist_ok=True)
-    runner.compile_mpy(source, fw_dir)
+    runner.compile_mpy(source, fw_dir, board=True)
     (fw_dir / "network.py").write_text("# stand-in: the unix port has no network module\n")
     code = (
         f"import sys\nsys.path.insert(0, {str(fw_dir)!r})\nimport network\n"

