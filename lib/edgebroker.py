@@ -6,7 +6,8 @@
 #   3. limits            every limit with its default and allowed values
 #   4. codec             reading and writing the wire format
 #   5. topics            validation and the subscription tree
-#   6. retained store    the narrow store interface and its RAM backend
+#   6. retained store    the message tuple, the store interface (its RAM
+#                        backend is lib/edgeram.py, its flash one edgestore)
 #   7. client state      Conn (one connection) and Session (outlives connections)
 #   8. engine            sans-IO protocol core: handlers, routing, delivery,
 #                        durability, housekeeping, $SYS, the local client
@@ -1392,226 +1393,10 @@ def q_msg(ent):
     return ent[_Q_MSG] if type(ent) is list else ent
 
 
-_PARTS = const(32)  # slot partitions, chosen by a hash of the first level
-_CH = const(32)  # slots per chunk, chunks per page
+def _ram_store(cfg):
+    import edgeram
 
-
-class RamStore:
-    """The retained-store interface, RAM backend (storage_type 'ram').
-
-    Interface (the flash store implements the same):
-      get(topic) -> msg or None     put(topic, msg)     delete(topic)
-      match(filter levels) -> iterator of msgs, safe while the store changes
-      count, nbytes                 durable (acks wait for commit() if True)
-      commit()                      expire(now, budget) -> removed
-      close()
-
-    Memory: on MicroPython a large contiguous block is what fails first (a
-    growing dict or list needs one twice its size: docs/design.md), so nothing
-    here grows as one piece. The index is a power of two of small dicts, about 16 topics each at the
-    expected capacity (max_retained_messages) (topic -> location);
-    messages sit in 32 partitions of pages of 32 chunks of 32 slots. So no
-    allocation grows past 32 pointers or a small dict, however many messages.
-    A deleted slot holds the
-    number of the next free slot (a free list threaded through the holes, no
-    list of its own), and an iterator walks slots by number, so puts and
-    deletes during a long delivery never invalidate it and nothing is copied.
-    A filter with a literal first level walks one partition, not the set."""
-
-    durable = False
-    read_only = False  # a FlashStore on a data dir it cannot write
-    degraded = None  # why the store is not what storage_type asked for
-
-    def __init__(self, capacity=1000):
-        nb = 16
-        while nb < 1024 and nb * 16 < (capacity or 16384):
-            nb *= 2
-        self.nb = nb
-        self.index = None  # made at the first put: an idle broker pays nothing
-        self.key = None  # the keyed hash's key, drawn at the first put
-        self.parts = None  # [chunks, first free slot or -1] per partition
-        self.count = 0
-        self.nbytes = 0
-        self._sweep = None
-
-    def _msg(self, loc):
-        i = loc // _PARTS
-        return self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31][i & 31]
-
-    def _lookup(self, topic):
-        # (bucket dict or None, keyed hash, location or None). A bucket maps
-        # the keyed hash to a location, or to a list of them in the rare
-        # (random, not choosable) case of two topics on one value.
-        k = _topic_key(self.key, topic)
-        d = self.index[k % self.nb]
-        v = None if d is None else d.get(k)
-        if v is not None:
-            for loc in v if type(v) is list else (v,):
-                if self._msg(loc)[_M_TOPIC] == topic:
-                    return d, k, loc
-        return d, k, None
-
-    def get(self, topic):
-        if self.index is None:
-            return None
-        loc = self._lookup(topic)[2]
-        return None if loc is None else self._msg(loc)
-
-    def put(self, topic, msg):
-        if self.index is None:
-            self.index = [None] * self.nb
-            self.parts = [None] * _PARTS
-            self.key = _new_key()
-        d, k, loc = self._lookup(topic)
-        if d is None:
-            d = self.index[k % self.nb] = {}
-        if loc is not None:
-            i = loc // _PARTS
-            ch = self.parts[loc % _PARTS][0][i >> 10][i >> 5 & 31]
-            self.nbytes += msg_size(msg) - msg_size(ch[i & 31])
-            ch[i & 31] = msg
-            return
-        pn = hash(_first(topic)) % _PARTS
-        p = self.parts[pn]
-        if p is None:
-            p = self.parts[pn] = [[], -1]
-        pages = p[0]
-        i = p[1]
-        if i >= 0:
-            ch = pages[i >> 10][i >> 5 & 31]
-            p[1] = ch[i & 31]
-            ch[i & 31] = msg
-        else:
-            page = pages[-1] if pages else None
-            if page is None or (len(page) == _CH and len(page[-1]) == _CH):
-                page = []
-                pages.append(page)
-            if not page or len(page[-1]) == _CH:
-                page.append([])
-            ch = page[-1]
-            i = (len(pages) - 1) * 1024 + (len(page) - 1) * 32 + len(ch)
-            ch.append(msg)
-        loc = i * _PARTS + pn
-        v = d.get(k)
-        if v is None:
-            d[k] = loc
-        elif type(v) is list:
-            v.append(loc)
-        else:
-            d[k] = [v, loc]
-        self.count += 1
-        self.nbytes += msg_size(msg)
-
-    def delete(self, topic):
-        if self.index is None:
-            return False
-        d, k, loc = self._lookup(topic)
-        if loc is None:
-            return False
-        v = d[k]
-        if type(v) is list:
-            v.remove(loc)
-            if len(v) == 1:
-                d[k] = v[0]
-        else:
-            del d[k]
-        p = self.parts[loc % _PARTS]
-        i = loc // _PARTS
-        ch = p[0][i >> 10][i >> 5 & 31]
-        self.nbytes -= msg_size(ch[i & 31])
-        self.count -= 1
-        ch[i & 31] = p[1]
-        p[1] = i
-        return True
-
-    def match(self, flevels):
-        first = flevels[0]
-        every = first == "+" or first == "#"
-        if not every and "+" not in flevels and "#" not in flevels:
-            m = self.get("/".join(flevels))
-            if m is not None:
-                yield m
-            return
-        # One generator walking slots by number (the paced hot path of D9:
-        # a delivery resumes one frame per message, not three).
-        pn = 0 if every else hash(first) % _PARTS
-        i = 0
-        while self.parts is not None:
-            p = self.parts[pn]
-            ch = None
-            if p is not None:
-                pages = p[0]
-                if i >> 10 < len(pages):
-                    page = pages[i >> 10]
-                    if i >> 5 & 31 < len(page):
-                        ch = page[i >> 5 & 31]
-                        if i & 31 >= len(ch):
-                            ch = None
-            if ch is None:  # this partition is done
-                if not every or pn + 1 >= _PARTS:
-                    return
-                pn += 1
-                i = 0
-                continue
-            m = ch[i & 31]
-            i += 1
-            if type(m) is tuple and topic_matches(flevels, m[_M_TOPIC]):
-                yield m
-
-    def _slots(self, pn):
-        # every message of a partition, by slot number; holes are ints
-        i = 0
-        while self.parts is not None:
-            p = self.parts[pn]
-            if p is None:
-                return
-            pages = p[0]
-            if i >> 10 >= len(pages):
-                return
-            page = pages[i >> 10]
-            if i >> 5 & 31 >= len(page):
-                return
-            ch = page[i >> 5 & 31]
-            k = i & 31
-            if k >= len(ch):
-                return
-            i += 1
-            m = ch[k]
-            if type(m) is tuple:
-                yield m
-
-    def expire(self, now, budget):
-        """Deletes expired messages, looking at `budget` slots a call and
-        resuming where the last call stopped: bounded work per second."""
-        removed = 0
-        sw = self._sweep
-        if sw is None:
-            sw = self._sweep = self._sweeper()
-        for _ in range(budget):
-            try:
-                m = next(sw)
-            except StopIteration:
-                self._sweep = None
-                break
-            if m[_M_EXP] and m[_M_EXP] <= now and self.get(m[_M_TOPIC]) is m:
-                self.delete(m[_M_TOPIC])
-                removed += 1
-        return removed
-
-    def _sweeper(self):
-        for pn in range(_PARTS):
-            yield from self._slots(pn)
-
-    def commit(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def _first(topic):
-    i = topic.find("/")
-    return topic if i < 0 else topic[:i]
+    return edgeram.RamStore(cfg["max_retained_messages"])
 
 
 class MonoClock:
@@ -1632,12 +1417,12 @@ class MonoClock:
 
 def open_store(cfg, data_dir=None, clock=None, wallclock=None, log=None):
     """The retained store cfg["storage_type"] asks for: 'ram' (or no
-    data_dir) -> RamStore; 'disc' / 'disc_only' -> edgestore.FlashStore at
-    <data_dir>/retained.ebrs. The flash module is imported only here, so a
-    RAM-only build need not carry it."""
+    data_dir) -> edgeram.RamStore; 'disc' / 'disc_only' -> edgestore.FlashStore
+    at <data_dir>/retained.ebrs. Each module is imported only here (and by
+    load_modules()), so a board carries the one its profile uses."""
     kind = cfg["storage_type"]
     if kind == "ram" or not data_dir:
-        return RamStore(cfg["max_retained_messages"])
+        return _ram_store(cfg)
     if kind not in ("disc", "disc_only"):
         raise ValueError("storage_type must be ram, disc or disc_only")
     import edgestore
@@ -1742,7 +1527,7 @@ class Engine:
 
     def __init__(self, cfg, store=None, log=None):
         self.cfg = cfg
-        self.store = store if store is not None else RamStore(cfg["max_retained_messages"])
+        self.store = store if store is not None else _ram_store(cfg)
         self._loglevel = _LEVELS.get(cfg["log_level"], 20)
         self._logf = log
         self.conns = {}  # Conn -> None: every open connection
@@ -4224,7 +4009,8 @@ class Broker:
 # ------------------------------------------------------------ 10. the API
 def load_modules(cfg):
     """Imports what the profile needs beside this module (edgestore for a
-    flash store, edgebridge for bridges), then collects: before anything
+    flash store, edgeram for a RAM one, edgebridge for bridges), then
+    collects: before anything
     long-lived is allocated. Loading a .mpy makes temporary buffers; made
     after the broker's objects, they leave holes between them, and the
     heap has no block for a 3 KB index chunk with 20 KB free (measured on
@@ -4233,6 +4019,8 @@ def load_modules(cfg):
     gc.collect()  # each module loads into one region, not around garbage
     if cfg["storage_type"] != "ram":
         import edgestore  # noqa: F401 (loaded now, used by open_store)
+    else:
+        import edgeram  # noqa: F401 (loaded now, used by open_store)
     if cfg["bridges"]:
         import edgebridge  # noqa: F401 (loaded now, used by start)
     gc.collect()
@@ -4429,5 +4217,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # edgeram and edgebridge import this module by name: run as a script
+    # (CPython), it is that module too, not a second copy of it
+    _me = sys.modules.get(__name__)
+    if _me is not None:
+        sys.modules.setdefault("edgebroker", _me)
     main(sys.argv)
 # <<< host only

@@ -667,7 +667,7 @@ def _matches(flevels, topic):
 
 # ------------------------------------------------------------ 3. FlashStore
 class FlashStore:
-    """The retained store on flash: RamStore's interface (see edgebroker.py
+    """The retained store on flash: RamStore's interface (see edgeram.py
     section 6), durable.
 
       get(topic) -> msg or None       put(topic, msg)     delete(topic) -> bool

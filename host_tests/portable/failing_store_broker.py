@@ -7,18 +7,19 @@ import sys
 here = sys.argv[0].rsplit("/", 1)[0] if "/" in sys.argv[0] else "."
 sys.path.insert(0, here + "/../../lib")
 import edgebroker  # noqa: E402
+import edgeram  # noqa: E402
 
 
-class FailingStore(edgebroker.RamStore):
+class FailingStore(edgeram.RamStore):
     durable = True
 
     def __init__(self, capacity):
-        edgebroker.RamStore.__init__(self, capacity)
+        edgeram.RamStore.__init__(self, capacity)
         self.bad = False
 
     def put(self, topic, msg):
         self.bad = self.bad or topic[:5] == "fail/"
-        edgebroker.RamStore.put(self, topic, msg)
+        edgeram.RamStore.put(self, topic, msg)
 
     def commit(self):
         if self.bad:

@@ -7,6 +7,7 @@
 # test_regression_<n> held defects these vectors found (each failed before
 # its fix).
 import edgebroker as eb
+import edgeram
 
 T0 = 1000.0
 LOG = []
@@ -1460,13 +1461,13 @@ def test_pre_connect_bytes_bounded_from_the_fixed_header():
 
 
 # ------------------------------------------------------------ group commit
-class DurableStore(eb.RamStore):
+class DurableStore(edgeram.RamStore):
     """A durable store whose commit the test controls: `fail` makes the next
     commit raise OSError 28 (flash full)."""
     durable = True
 
     def __init__(self):
-        eb.RamStore.__init__(self, 100)
+        edgeram.RamStore.__init__(self, 100)
         self.commits = 0
         self.fail = False
 

@@ -151,7 +151,12 @@ def test_broker_imports_and_its_engine_runs_without_socket_and_wall_clock(tmp_pa
     assert eb.socket is None
     assert eb._wallclock() is None  # never set: what a board says before NTP
     cfg = eb.limits({"max_clients": 2})
-    e = eb.Engine(cfg, eb.RamStore(16), lambda level, text: None)
+    sys.path.insert(0, str(LIB))
+    try:
+        import edgeram
+    finally:
+        sys.path.remove(str(LIB))
+    e = eb.Engine(cfg, edgeram.RamStore(16), lambda level, text: None)
     e.start(0.0)
     c = e.open(None, 0.0, "t:1")  # the sans-IO seam: no socket behind it
     # CONNECT (3.1.1, clean session, keep alive 60, client id "q"): CONNACK 0

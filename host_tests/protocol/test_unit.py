@@ -65,3 +65,15 @@ def test_store_reads_messages_by_the_brokers_slot_names():
     text = (REPO / "lib" / "edgestore.py").read_text()
     bare = re.findall(r"\b(?:m|msg|msgs\[s >> 8\]\[(?:k|s & 255)\])\[[0-9]\]", text)
     assert bare == []
+
+
+def test_ram_store_reads_messages_by_the_brokers_slot_names():
+    """edgeram's RamStore reads a message's topic and expiry by the same
+    slot names and numbers as edgebroker (a subset: the two it needs), and
+    by no bare number."""
+    import re
+    broker, ram = _slots("edgebroker.py"), _slots("edgeram.py")
+    assert set(ram) == {"_M_TOPIC", "_M_EXP"}
+    assert all(broker[k] == v for k, v in ram.items())
+    text = (REPO / "lib" / "edgeram.py").read_text()
+    assert re.findall(r"\bm\[[0-9]\]", text) == []

@@ -96,7 +96,8 @@ def test_flash_host_profile_end_to_end(board, secrets, tmp_path):
     dist = tmp_path / "dist"
     out = flash(board, "host", port, secrets, dist)
     assert "edgebroker build: host ->" in out  # nothing built yet: built first
-    for f in ("lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy", "lib/userapp.mpy",
+    # the host profile keeps its retained messages in RAM: edgeram, not edgestore
+    for f in ("lib/edgebroker.mpy", "lib/edgeram.mpy", "lib/gateway.mpy", "lib/userapp.mpy",
               "boot.py", "main.py", "board.json", "secrets.json"):
         assert "copy %s" % f in out, out
     assert "verified 8 files by sha256" in out
@@ -105,8 +106,9 @@ def test_flash_host_profile_end_to_end(board, secrets, tmp_path):
     assert "host flashed, verified, broker running" in out
     assert "[########################] 100%" in out
     assert set(board.files()) >= {"boot.py", "main.py", "board.json", "secrets.json", "crashes",
-                                  "lib/edgebroker.mpy", "lib/edgestore.mpy", "lib/gateway.mpy",
+                                  "lib/edgebroker.mpy", "lib/edgeram.mpy", "lib/gateway.mpy",
                                   "lib/userapp.mpy"}
+    assert "lib/edgestore.mpy" not in board.files()
     assert "safe_mode" not in board.files() and "app.py" not in board.files()
     on_board = json.loads((board.root / "board.json").read_text())
     assert on_board["port"] == port and on_board["bind"] == "127.0.0.1"
@@ -416,14 +418,14 @@ def test_romfs_image_mounts_and_imports(tmp_path):
         "sys.modules['network'] = fake_network\n"
         "vfs.mount(vfs.VfsRom(open(%r, 'rb').read()), '/rom')\n"
         "sys.path[:] = ['/rom/lib']\n"
-        "import edgebroker, edgestore, gateway\n"
+        "import edgebroker, edgeram, gateway\n"
         "print('ROM', sorted(os.listdir('/rom/lib')), edgebroker.VERSION,"
         " edgebroker.__file__, gateway.__file__)\n"
     ) % (str(STANDIN_DIR), str(img))
     out = subprocess.run([micropython_exe(), "-c", code], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "ROM ['edgebroker.mpy', 'edgestore.mpy', 'gateway.mpy', 'userapp.mpy']" in out.stdout
+    assert "ROM ['edgebroker.mpy', 'edgeram.mpy', 'gateway.mpy', 'userapp.mpy']" in out.stdout
     assert "/rom/lib/edgebroker.mpy" in out.stdout
     # flash deploys the image instead of copying lib/*.mpy, and verifies it under /rom
     target = build_cmd.load_target("host", ["romfs=true"])
@@ -465,6 +467,6 @@ def test_package_json_installs_with_mpremote_mip(tmp_path):
 
     t = Recorder()
     mip._install_package(t, str(REPO / "package.json"), "unused-index", "/lib", None, False)
-    assert set(t.files) == {"/lib/edgebroker.py", "/lib/edgestore.py"}
+    assert set(t.files) == {"/lib/edgebroker.py", "/lib/edgestore.py", "/lib/edgeram.py"}
     assert t.files["/lib/edgebroker.py"] == (REPO / "lib" / "edgebroker.py").read_bytes()
     assert t.files["/lib/edgestore.py"] == (REPO / "lib" / "edgestore.py").read_bytes()

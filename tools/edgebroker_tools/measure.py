@@ -98,6 +98,9 @@ import edgebroker
 point("imported")
 if P["store"] != "ram":
     import edgestore
+# the RAM store's module, in every run: a baseline (nostore) runs the RAM
+# store, and a figure taken against it must hold the same code
+import edgeram
 point("imported_store")
 f = open(P["profile_path"])
 profile = json.load(f)
@@ -127,6 +130,10 @@ broker.shutdown()
 """
 
 #: Imports one module list from a directory and prints the cost of each.
+#: Modules that import edgebroker (measured after it, their min heap beside it),
+#: in the order a profile loads them (edgebroker.load_modules).
+DEPENDENT_MODULES: Final = ("edgeram", "edgebridge")
+
 IMPORT_SCRIPT: Final = r"""
 import gc
 import sys
@@ -462,8 +469,8 @@ def min_heap(directory: Path, names: Sequence[str], hi: int = 1 << 20) -> int:
 
 
 def _min_heaps(directory: Path, names: Sequence[str]) -> dict[str, int]:
-    # each module alone; edgebridge (which imports edgebroker) is done by measure()
-    return {n: min_heap(directory, [n]) for n in names if n != "edgebridge"}
+    # each module alone; those that import edgebroker are done by measure()
+    return {n: min_heap(directory, [n]) for n in names if n not in DEPENDENT_MODULES}
 
 
 def firmware_cost(source: Path, tmp: Path) -> dict[str, int]:
@@ -543,8 +550,10 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
         have_store = (lib / "edgestore.py").is_file()
         if have_store:
             sources.append(lib / "edgestore.py")
-        if (lib / "edgebridge.py").is_file():
-            sources.append(lib / "edgebridge.py")  # imports edgebroker: measured after it
+        # these import edgebroker: measured after it
+        for dependent in DEPENDENT_MODULES:
+            if (lib / f"{dependent}.py").is_file():
+                sources.append(lib / f"{dependent}.py")
         digests = {s.name: sha256(s) for s in sources}  # what is measured (lib/ may change)
         mpys = [runner.compile_mpy(s, mpy_dir, board=True) for s in sources]  # the board build
         names = [s.stem for s in sources]
@@ -558,13 +567,16 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
             "min_heap_import_py": _min_heaps(lib, names),
             "mpy_file_bytes": {p.stem: p.stat().st_size for p in mpys},
         }
-        if "edgebridge" in names:
-            # its min heap: the three imported together, less what the two
-            # before it keep (config check adds those back: start_heap)
+        for dependent in DEPENDENT_MODULES:
+            if dependent not in names:
+                continue
+            # its min heap: imported after the modules before it, less what
+            # those keep (config check adds them back: start_heap)
+            upto = names[: names.index(dependent) + 1]
             for kind, src in (("min_heap_import_mpy", mpy_dir), ("min_heap_import_py", lib)):
                 before = costs[kind.replace("min_heap_", "")]
-                costs[kind]["edgebridge"] = min_heap(src, names) - sum(
-                    before[n] for n in names if n != "edgebridge"
+                costs[kind][dependent] = min_heap(src, upto) - sum(
+                    before[n] for n in upto if n != dependent
                 )
 
         firmware = root / "firmware" / "gateway.py"

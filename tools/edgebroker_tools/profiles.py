@@ -396,7 +396,8 @@ MODEL_TEXT: Final = """\
 
 ### Code
 
-    code = import cost of lib/edgebroker.py (+ lib/edgestore.py unless storage_type is ram)
+    code = import cost of lib/edgebroker.py + lib/edgestore.py (lib/edgeram.py when
+           storage_type is ram)
            (+ lib/edgebridge.py when bridges is not empty)
            .mpy from the filesystem (bytecode in RAM) when romfs is false,
            the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true
@@ -559,7 +560,7 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
 
 
 def modules_for(cfg: Mapping[str, Any]) -> list[str]:
-    mods = ["edgebroker"] if cfg["storage_type"] == "ram" else ["edgebroker", "edgestore"]
+    mods = ["edgebroker", "edgeram" if cfg["storage_type"] == "ram" else "edgestore"]
     return [*mods, "edgebridge"] if _bridges(cfg) else mods
 
 

@@ -126,6 +126,12 @@ def steps(out):
     yield
     a = alloc()
     out["import_mpy.edgestore"] = a - b
+    import edgeram  # noqa: F401 (an Engine without a store makes a RamStore)
+
+    yield
+    b = alloc()
+    out["import_mpy.edgeram"] = b - a
+    a = b
     import edgebridge  # noqa: F401
 
     yield

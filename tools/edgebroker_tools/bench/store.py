@@ -310,7 +310,7 @@ def scenario_store_heap(b: Bench) -> None:
         f"{count:,} retained messages: the slope is the cost of a message, the rest at "
         f"{count:,} the store's fixed part; each message made as the broker makes one (its "
         f"own topic str and bytes, its own 64-byte payload), capacity = the message count "
-        f"(max_retained_messages); ram = edgebroker.RamStore, disc/disc_only = "
+        f"(max_retained_messages); ram = edgeram.RamStore, disc/disc_only = "
         f"edgestore.FlashStore. Run with -X heapsize={HEAP_SCRIPT_HEAP} so that ram and "
         f"disc fit."
     )

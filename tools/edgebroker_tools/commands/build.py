@@ -124,23 +124,30 @@ def load_target(arg: str, overrides: Sequence[str] = (), *, lines: bool = False)
     return Target(checked.path, checked.name, checked.profile, warnings, lines)
 
 
-#: Library modules a board gets only when its profile uses them: code is
-#: heap on a board without ROMFS, so what a profile does not use is not shipped.
-OPTIONAL_MODULES: Final = {"edgebridge": "bridges"}
+#: Library modules a board gets only when its profile uses them (the
+#: modules edgebroker.load_modules() imports, and config check counts:
+#: profiles.modules_for): code is heap on a board without ROMFS, so what a
+#: profile does not use is not shipped. A key the profile leaves out has
+#: the broker's default (storage_type "ram", no bridges).
+OPTIONAL_MODULES: Final = ("edgestore", "edgeram", "edgebridge")
+
+
+def _wanted(stem: str, profile: Mapping[str, Any] | None) -> bool:
+    if stem not in OPTIONAL_MODULES:
+        return True
+    cfg = dict(profile or {})
+    cfg.setdefault("storage_type", "ram")
+    cfg.setdefault("bridges", [])
+    return stem in profiles.modules_for(cfg)
 
 
 def sources(profile: Mapping[str, Any] | None = None) -> list[Source]:
     """The files a board gets, in copy order: library modules first, the
     entry points last (a board reset half-way finds no main.py rather than
     a main.py without its modules). An optional module (OPTIONAL_MODULES)
-    only when `profile` sets its key."""
+    only when `profile` uses it."""
     root = runner.repo_root()
-    mods = [
-        p
-        for p in sorted((root / "lib").glob("*.py"))
-        if p.stem not in OPTIONAL_MODULES
-        or (profile is not None and profile.get(OPTIONAL_MODULES[p.stem]))
-    ]
+    mods = [p for p in sorted((root / "lib").glob("*.py")) if _wanted(p.stem, profile)]
     fw = sorted(p for p in (root / "firmware").glob("*.py") if p.name not in ENTRY_POINTS)
     seen: set[str] = set()
     out: list[Source] = []

@@ -251,14 +251,15 @@ def launcher_argv(
     sources = [lib / "edgebroker.py"]
     store_src = lib / "edgestore.py"
     flash = cfg["storage_type"] != "ram"
-    if flash:
-        if store_src.is_file():
-            sources.append(store_src)
-        else:
+    if flash and store_src.is_file():
+        sources.append(store_src)
+    else:
+        if flash:
             notes.append(
                 f"lib/edgestore.py not found: storage_type {cfg['storage_type']} runs on the "
                 "RAM store"
             )
+        sources.append(lib / "edgeram.py")
     profile_path = data_dir / PROFILE_FILE
     profile_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     main_argv = [

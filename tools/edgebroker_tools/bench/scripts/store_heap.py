@@ -17,7 +17,7 @@ import sys
 with open(sys.argv[1]) as f:
     P = json.load(f)
 sys.path.insert(0, P["lib"])
-import edgebroker
+import edgeram
 import edgestore
 
 
@@ -31,7 +31,7 @@ def full(mode, n):
     gc.collect()
     a0 = gc.mem_alloc()
     if mode == "ram":
-        st = edgebroker.RamStore(n)
+        st = edgeram.RamStore(n)
     else:
         st = edgestore.FlashStore(path, mode=mode, capacity=n)
     for i in range(n):
