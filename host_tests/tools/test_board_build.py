@@ -176,3 +176,45 @@ def test_board_build_serves_retained_on_flash_under_micropython(tmp_path):
     assert (m.topic, m.payload, m.retain) == ("site/board/temp", b"21.5", True)
     store = (data / "retained.ebrs").read_bytes()
     assert b"site/board/temp" in store and b"21.5" in store
+
+
+def test_board_build_runs_the_esp32_full_load_in_its_heap(tmp_path):
+    """What a board gets, run the gateway's way: the board build of
+    edgebroker and edgestore (`mpy-cross -O3`, host-only lines blanked; no
+    edgeram: a flash-store profile is not shipped the RAM store), started with
+    start() + serve_async() in the esp32 profile's heap_bytes (scaled to this
+    64-bit port, runner.unix_heap), runs the profile's full load
+    (test_emulate.full_load: max_clients x max_subscriptions, full inflight
+    and queues, the retained set in disc_only): no MemoryError, no refusal,
+    no drop. (`emulate` runs the whole module; this is the shipped one.)"""
+    from test_emulate import effective, full_load
+
+    mpy = tmp_path / "b"
+    for mod in ("edgebroker", "edgestore"):
+        runner.compile_mpy(REPO / "lib" / (mod + ".py"), mpy, board=True)
+    cfg = effective("esp32")
+    cfg["sys_interval"] = 1  # the heap figures at the peak, for the report
+    port = free_port()
+    data = tmp_path / "data"
+    code = LAUNCH % {"dir": str(mpy), "profile": json.dumps(cfg), "port": port,
+                     "data": str(data)}
+    log = tmp_path / "board.log"
+    heap = runner.unix_heap(cfg["heap_bytes"])
+    with open(log, "w") as err:
+        proc = subprocess.Popen([str(MP), "-X", "heapsize=%d" % heap, "-c", code],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready", log.read_text()
+            report = full_load(port, cfg, True)
+            assert proc.poll() is None, log.read_text()
+        finally:
+            proc.send_signal(2)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    text = log.read_text()
+    assert "MemoryError" not in text and "refused" not in text, text
+    assert report.get("retained_delivered") == cfg["max_retained_messages"]
+    assert report.get("refusals") == {} and report.get("dropped") == "0", report
