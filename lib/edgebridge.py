@@ -743,8 +743,9 @@ class Bridge:
         topic = msg[0]
         for flev, r, pre, rb, ll in self.outr:  # noqa: B007 (read after the break)
             if pre is not None:
-                # "a/b/#" matches "a/b" and everything below it (4.7.1.2)
-                if topic.startswith(pre) or topic == pre[:-1]:
+                # "a/b/#" matches "a/b" and everything below it (4.7.1.2);
+                # the parent compared without slicing pre (no string a message)
+                if topic.startswith(pre) or (len(topic) == len(pre) - 1 and pre.startswith(topic)):
                     break
             elif eb.topic_matches(flev, topic):
                 break

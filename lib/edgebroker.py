@@ -2399,7 +2399,8 @@ class Engine:
         # (12-14 us a call with three rules, 7 us so; docs/boards.md)
         ok = False
         j = 0
-        while j < len(acl):
+        n = len(acl)
+        while j < n:
             r = acl[j]
             j += 1
             if topic_matches(r[1], topic):
@@ -4010,8 +4011,7 @@ class Broker:
 def load_modules(cfg):
     """Imports what the profile needs beside this module (edgestore for a
     flash store, edgeram for a RAM one, edgebridge for bridges), then
-    collects: before anything
-    long-lived is allocated. Loading a .mpy makes temporary buffers; made
+    collects: before anything long-lived is allocated. Loading a .mpy makes temporary buffers; made
     after the broker's objects, they leave holes between them, and the
     heap has no block for a 3 KB index chunk with 20 KB free (measured on
     a 32-bit port: the esp32 profile then needed a 118 KB heap to start;
