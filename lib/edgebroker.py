@@ -483,10 +483,13 @@ def _asyncio():
             # whose message formats the socket (getsockname, getpeername,
             # getpid: three syscalls, about 5% of the loop when the bridge
             # forwards). Lookups by number or by this object work as before.
-            __slots__ = ("s",)
+            # fut: the read waiting now; idle: woken with nobody waiting.
+            __slots__ = ("s", "fut", "idle")
 
             def __init__(self, s):
                 self.s = s
+                self.fut = None
+                self.idle = False
 
             def fileno(self):
                 return self.s.fileno()
@@ -494,26 +497,70 @@ def _asyncio():
             def __repr__(self):
                 return "<socket>"
 
+        # A socket's reader stays registered between waits (until _forget or
+        # until it is readable twice with nobody waiting): adding and removing
+        # it on every wait cost two epoll_ctl calls and a new Handle a wake-up,
+        # about 4% of the loop when the bridge forwards. Readable once with
+        # nobody waiting is the normal case: the woken task runs only after
+        # the next select. Bounded by the sockets open (every close forgets).
+        _readers = {}
+
+        def _readable(fd):
+            fut = fd.fut
+            if fut is not None:
+                fd.fut = None
+                if not fut.done():
+                    fut.set_result(None)
+            elif fd.idle:
+                # the task is busy elsewhere: stop watching (level-triggered
+                # epoll would call this on every turn of the loop)
+                _readers.pop(fd.s, None)
+                asyncio.get_running_loop().remove_reader(fd)
+            else:
+                fd.idle = True
+
         async def _wait(sock, write):
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
+            if not write:
+                fd = _readers.get(sock)
+                if fd is None:
+                    fd = _Fd(sock)
+                    try:
+                        # an entry under this number left by a socket closed
+                        # unforgotten would take the new one's place unpolled
+                        loop.remove_reader(sock.fileno())
+                    except (ValueError, KeyError, OSError):
+                        pass
+                    loop.add_reader(fd, _readable, fd)
+                    _readers[sock] = fd
+                fd.idle = False
+                fd.fut = fut
+                try:
+                    await fut
+                except BaseException:
+                    # cancelled (its socket may be closed already): watched
+                    # no longer, as before this wait
+                    fd.fut = None
+                    _readers.pop(sock, None)
+                    try:
+                        loop.remove_reader(fd)
+                    except (ValueError, KeyError, OSError):
+                        pass
+                    raise
+                return
             sock = _Fd(sock)
-            if write:
-                loop.add_writer(sock, _done, fut)
-            else:
-                loop.add_reader(sock, _done, fut)
+            loop.add_writer(sock, _done, fut)
             try:
                 await fut
             finally:
                 try:
-                    if write:
-                        loop.remove_writer(sock)
-                    else:
-                        loop.remove_reader(sock)
+                    loop.remove_writer(sock)
                 except (ValueError, KeyError, OSError):
                     pass  # already forgotten and closed
 
         def _forget(sock):
+            _readers.pop(sock, None)
             try:
                 loop = asyncio.get_running_loop()
                 loop.remove_reader(sock)

@@ -1,9 +1,11 @@
 """The CPython branch of the compat block's socket wait (lib/edgebroker.py,
 `_asyncio()`): a wait never formats its socket (the loop's lookup of an
 unregistered socket fails with a KeyError whose message is the socket's
-repr: getsockname, getpeername and getpid, once per wait), leaves nothing
-registered once it returns, and a wait cancelled after its socket closed
-leaves no entry that would hide the next socket given the same number.
+repr: getsockname, getpeername and getpid, once per wait), keeps its reader
+registered between waits (not two epoll_ctl calls a wake-up) until the
+socket is readable with nobody waiting or forgotten, and neither a wait
+cancelled after its socket closed nor a socket closed unforgotten leaves an
+entry that would hide the next socket given the same number.
 Real socket pairs on a real asyncio loop."""
 
 import asyncio
@@ -45,25 +47,76 @@ def _registered(loop, fd):
         return False
 
 
-def test_a_wait_never_formats_its_socket_and_leaves_nothing_registered():
+def test_a_wait_never_formats_its_socket_and_keeps_its_reader_between_waits():
     eb = _eb()
 
     async def main():
         loop = asyncio.get_running_loop()
+        adds = []
+        add_reader = loop.add_reader
+
+        def counted(fd, cb, *args):
+            adds.append(fd)
+            return add_reader(fd, cb, *args)
+
+        loop.add_reader = counted
         a, b = _pair()
         try:
             _Counted.reprs = 0
             for _ in range(5):
                 b.send(b"x")
-                await asyncio.wait_for(eb._io_wait(a, False), 2)
+                async with asyncio.timeout(2):  # (not wait_for: no task of its own)
+                    await eb._io_wait(a, False)
                 assert a.recv(16) == b"x"
-                assert not _registered(loop, a.fileno())
+                # registered once, kept between waits (no epoll_ctl a wake-up)
+                assert _registered(loop, a.fileno()) and len(adds) == 1
             await asyncio.wait_for(eb._io_wait(a, True), 2)  # writable at once
-            assert not _registered(loop, a.fileno())
+            key = loop._selector.get_key(a.fileno())
+            assert key.data[1] is None  # the writer is not kept
             assert _Counted.reprs == 0
+            # readable with nobody waiting: watched no longer after two turns
+            # (level-triggered: it would run every turn), and a wait still wakes
+            b.send(b"y")
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not _registered(loop, a.fileno())
+            async with asyncio.timeout(2):
+                await eb._io_wait(a, False)
+            assert a.recv(16) == b"y" and len(adds) == 2
+            eb._io_forget(a)
+            assert not _registered(loop, a.fileno())
         finally:
             a.close()
             b.close()
+
+    asyncio.run(main())
+
+
+def test_a_closed_socket_left_registered_does_not_hide_the_next_one():
+    # every close in lib forgets first; this holds even if one did not
+    eb = _eb()
+
+    async def main():
+        a, b = _pair()
+        fd = a.fileno()
+        b.send(b"x")
+        async with asyncio.timeout(2):
+            await eb._io_wait(a, False)  # returns with its reader kept
+        a.close()  # not forgotten
+        b.close()
+        c, d = _pair()
+        try:
+            if c.fileno() != fd:
+                c, d = d, c
+                c.setblocking(False)
+            assert c.fileno() == fd
+            d.send(b"y")
+            async with asyncio.timeout(2):
+                await eb._io_wait(c, False)
+            assert c.recv(16) == b"y"
+        finally:
+            c.close()
+            d.close()
 
     asyncio.run(main())
 
