@@ -992,40 +992,18 @@ class Bridge:
             if len(self.out) > 65536:
                 break  # the socket is behind: fill again when it drains
             at = pos
-            rb = q.rb
-            i = at - q.rb_off
-            blen = -1
-            if q.rb_ok and rb is not None and 0 <= i and i + 29 <= len(rb) and rb[i] == T_MSG:
-                # a message this process just wrote (the read-ahead holds the
-                # last commit's bytes, no CRC to check): its header and body
-                # fields in one unpack, the parts as views (decode_view's work)
-                blen, seq, qos, flags, exp, w, tl, pl = unpack_from(">IIBBIIHI", rb, i + 1)
-                if i + 9 + blen > len(rb):
-                    blen = -1  # not all in the read-ahead: read it
-            if blen >= 0:
-                j = i + 25 + tl
-                pos = at + 9 + blen
-                if qos > 2 or j + pl > i + 5 + blen:
-                    self._skip(live, inf)
-                    continue
-                v = q.rbv
-                tb = v[i + 25 : j]
-                props = v[j : j + pl]
-                payload = v[j + pl : i + 5 + blen]
-                nxt = pos
-            else:
-                rt, body, nxt = q.read(at)
-                if rt is None:
-                    pos = q.fend  # unreadable: nothing more to send
-                    break
-                pos = nxt
-                if rt != T_MSG:
-                    continue
-                m = decode_view(body)
-                if m is None:
-                    self._skip(live, inf)
-                    continue
-                qos, flags, exp, w, tb, props, payload, seq = m
+            rt, body, nxt = q.read(at)
+            if rt is None:
+                pos = q.fend  # unreadable: nothing more to send
+                break
+            pos = nxt
+            if rt != T_MSG:
+                continue
+            m = decode_view(body)
+            if m is None:
+                self._skip(live, inf)
+                continue
+            qos, flags, exp, w, tb, props, payload, seq = m
             if split and (live or at >= self.sstart) and self._slow(tb) == live:
                 # the other lane's message (it counts it): a slow-lane topic
                 # seen by the live lane or the reverse; with nothing in
