@@ -795,7 +795,9 @@ def limits(profile=None):
             if k in profile:
                 cfg[k] = _checked(k, profile[k])
     if cfg["acl"]:
-        _check_acl(cfg["acl"])
+        import edgeauth
+
+        edgeauth.check_acl(cfg["acl"])
     return cfg
 
 
@@ -847,37 +849,6 @@ def with_secrets(profile, secrets):
                 found[k] = c[k]
         out["bridges"] = items
     return out
-
-
-# Topic ACLs: rule access as bits; a deny rule wins over any allow.
-_ACL_ACCESS = {"read": 1, "write": 2, "readwrite": 3, "deny": 4}
-_ACL_MAX = const(1000)
-
-
-def _check_acl(rules):
-    if len(rules) > _ACL_MAX:
-        raise ValueError("acl: %d rules (allowed at most %d)" % (len(rules), _ACL_MAX))
-    for n, r in enumerate(rules):
-        w = "acl[%d]" % n
-        if not isinstance(r, dict):
-            raise ValueError("%s: %r is not an object" % (w, r))
-        for k in r:
-            if k not in ("who", "access", "topic"):
-                raise ValueError("%s.%s: unknown key (allowed who, access, topic)" % (w, k))
-        who = r.get("who")
-        if not isinstance(who, str) or not (
-            who in ("all", "anonymous") or who[:5] == "user:" or who[:7] == "client:"
-        ):
-            raise ValueError(
-                '%s.who: %r (allowed "all", "anonymous", "user:NAME", "client:ID")' % (w, who)
-            )
-        if r.get("access") not in _ACL_ACCESS:
-            raise ValueError(
-                "%s.access: %r (allowed read, write, readwrite, deny)" % (w, r.get("access"))
-            )
-        t = r.get("topic")
-        if not isinstance(t, str) or not valid_filter(t.replace("%c", "c").replace("%u", "u")):
-            raise ValueError("%s.topic: %r is not a topic filter (%%c, %%u allowed)" % (w, t))
 
 
 def _checked(k, v):
@@ -1157,53 +1128,6 @@ def prop_str(pid, s):
 def packet(ptype, flags, body):
     """A whole packet: fixed header (2.1) + body."""
     return bytes((ptype << 4 | flags,)) + vbi(len(body)) + body
-
-
-def check_password(want, pw):
-    """A users entry against the password bytes a CONNECT carried.
-    Entries (made by `edgebroker passwd`):
-      pbkdf2_sha256:<iterations>:<salt hex>:<key hex>   salted, iterated
-      sha256:<hex>     bare digest: still read, refused by config check
-      anything else    plain text: read, warned about by config check"""
-    import binascii
-    import hashlib
-
-    if want.startswith("pbkdf2_sha256:"):
-        parts = want.split(":")
-        if len(parts) != 4:
-            return False
-        try:
-            n = int(parts[1])
-            salt = binascii.unhexlify(parts[2])
-            key = binascii.unhexlify(parts[3])
-        except ValueError:
-            return False
-        if not 1 <= n <= 1000000 or len(key) != 32:
-            return False
-        return _pbkdf2_sha256(pw, salt, n) == key
-    if want.startswith("sha256:"):
-        return binascii.hexlify(hashlib.sha256(pw).digest()).decode() == want[7:].lower()
-    return pw == want.encode()
-
-
-def _pbkdf2_sha256(pw, salt, n):
-    # PBKDF2-HMAC-SHA256 (RFC 8018), one 32-byte block: MicroPython has
-    # sha256 but no hmac or pbkdf2_hmac. The XOR of the n blocks runs on
-    # one big integer instead of 32 bytes at a time.
-    import hashlib
-
-    if len(pw) > 64:
-        pw = hashlib.sha256(pw).digest()
-    k = pw + bytes(64 - len(pw))
-    ipad = bytes(x ^ 0x36 for x in k)
-    opad = bytes(x ^ 0x5C for x in k)
-    sha = hashlib.sha256
-    u = sha(opad + sha(ipad + salt + b"\x00\x00\x00\x01").digest()).digest()
-    acc = int.from_bytes(u, "big")
-    for _ in range(n - 1):
-        u = sha(opad + sha(ipad + u).digest()).digest()
-        acc ^= int.from_bytes(u, "big")
-    return acc.to_bytes(32, "big")
 
 
 # ---------------------------------------------------------------- 5. topics
@@ -1575,6 +1499,13 @@ class Engine:
     def __init__(self, cfg, store=None, log=None):
         self.cfg = cfg
         self.store = store if store is not None else _ram_store(cfg)
+        # passwords and topic ACLs (edgeauth): loaded only for a profile
+        # that uses them (load_modules() has imported it by then)
+        self.auth = None
+        if _auth_needed(cfg):
+            import edgeauth
+
+            self.auth = edgeauth
         self._loglevel = _LEVELS.get(cfg["log_level"], 20)
         self._logf = log
         self.conns = {}  # Conn -> None: every open connection
@@ -2062,7 +1993,7 @@ class Engine:
                 conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED, "sys_publish", "will topic in $SYS"
             )
         acl = self.acl_for(cid, user)
-        if will is not None and acl is not None and not self.may(acl, will[0], 2):
+        if will is not None and acl is not None and not self.auth.may(acl, will[0], 2):
             # the will is checked at CONNECT like a PUBLISH would be
             return self.connack_refuse(
                 conn, _RC_NOT_AUTHORIZED, _RC3_NOT_AUTHORIZED, "acl", "will topic not allowed"
@@ -2190,7 +2121,7 @@ class Engine:
             return bool(self.cfg["allow_anonymous"]) and not users
         if pw is None:
             return False
-        return check_password(want, pw)
+        return self.auth.check_password(want, pw)
 
     def new_client_id(self):
         self._next_id += 1
@@ -2293,7 +2224,7 @@ class Engine:
         payload = bytes(b[i:end])
         self.n_in += 1
         sess = conn.sess
-        if topic[:4] == "$SYS" or (sess.acl is not None and not self.may(sess.acl, topic, 2)):
+        if topic[:4] == "$SYS" or (sess.acl is not None and not self.auth.may(sess.acl, topic, 2)):
             # $SYS belongs to the broker, and the acl may deny a topic: 5.0
             # refuses with 0x87, which ends a QoS 2 exchange at PUBREC
             # (4.3.3); 3.1.1 is acknowledged and dropped (as mosquitto)
@@ -2392,7 +2323,7 @@ class Engine:
             # MQTT-3.3.4-2: one copy per session at the highest granted QoS,
             # carrying every matching Subscription Identifier (MQTT-3.3.4-3)
             for sess in matched:
-                if sess.acl is not None and not self.may(sess.acl, topic, 1):
+                if sess.acl is not None and not self.auth.may(sess.acl, topic, 1):
                     continue  # an allowed subscription never carries a denied topic
                 q, rap, sids = matched[sess]
                 # 3.1.1 MQTT-3.3.1-9 / 5.0 MQTT-3.3.1-12/13: RETAIN is kept
@@ -2404,58 +2335,19 @@ class Engine:
             # its non-shared subscriptions, as mosquitto does)
             for g in shared:
                 sess = g.pick()
-                if sess is not None and (sess.acl is None or self.may(sess.acl, topic, 1)):
+                if sess is not None and (sess.acl is None or self.auth.may(sess.acl, topic, 1)):
                     opts, sid = g.members[sess]
                     rr = 1 if (retain and opts & 8) else 0
                     self.deliver(sess, msg, opts & 3, rr, [sid] if sid else None)
         return wait
 
     def acl_for(self, cid, user):
-        """The profile's acl for one client, expanded once at CONNECT
-        (%c: client id, %u: user name): [(access bits, filter levels)], or
-        None when there is no acl. A rule whose %c or %u would bring a
-        wildcard or a level separator in is left out (it allows nothing)."""
+        """The profile's acl expanded for one client (edgeauth.acl_for), or
+        None when there is no acl."""
         rules = self.cfg["acl"]
         if not rules:
             return None
-        out = []
-        for r in rules:
-            who = r["who"]
-            if not (
-                who == "all"
-                or (who == "anonymous" and user is None)
-                or (user is not None and who[:5] == "user:" and who[5:] == user)
-                or (who[:7] == "client:" and who[7:] == cid)
-            ):
-                continue
-            t = r["topic"]
-            if "%u" in t:
-                if user is None or "/" in user or "+" in user or "#" in user:
-                    continue
-                t = t.replace("%u", user)
-            if "%c" in t:
-                if "/" in cid or "+" in cid or "#" in cid:
-                    continue
-                t = t.replace("%c", cid)
-            out.append((_ACL_ACCESS[r["access"]], t.split("/")))
-        return out
-
-    def may(self, acl, topic, want):
-        # want: 1 read, 2 write; any matching deny rule wins. By index: a
-        # for loop's iterator would put this frame on MicroPython's heap
-        # (12-14 us a call with three rules, 7 us so; docs/boards.md)
-        ok = False
-        j = 0
-        n = len(acl)
-        while j < n:
-            r = acl[j]
-            j += 1
-            if topic_matches(r[1], topic):
-                if r[0] & 4:
-                    return False
-                if r[0] & want:
-                    ok = True
-        return ok
+        return self.auth.acl_for(rules, cid, user)
 
     def unsub(self, sess, filt):
         # a subscription leaves the tree (a shared one leaves its group)
@@ -2713,7 +2605,7 @@ class Engine:
                     continue
                 if m[_M_EXP] and m[_M_EXP] <= self.now_s:
                     continue  # its lifetime has passed (E1)
-                if sess.acl is not None and not self.may(sess.acl, m[_M_TOPIC], 1):
+                if sess.acl is not None and not self.auth.may(sess.acl, m[_M_TOPIC], 1):
                     continue  # retained messages obey the read rules
             qos = m[_M_QOS] if m[_M_QOS] < ent[_R_OPTS] & 3 else ent[_R_OPTS] & 3
             sids = [ent[_R_SID]] if ent[_R_SID] else None
@@ -2836,7 +2728,7 @@ class Engine:
                 codes.append(_RC_BAD_FILTER if v5 else 0x80)
                 why = "invalid topic filter"
                 continue
-            if sess.acl is not None and not self.may(sess.acl, inner, 1):
+            if sess.acl is not None and not self.auth.may(sess.acl, inner, 1):
                 # the filter itself must be readable (its levels, wildcards
                 # included, matched by a read rule; a deny rule wins)
                 self.refuse("acl", "client %s subscribe %s", conn.cid, filt)
@@ -4055,9 +3947,16 @@ class Broker:
 
 
 # ------------------------------------------------------------ 10. the API
+def _auth_needed(cfg):
+    # users (the profile's, or a secrets file's merged in), an acl, or no
+    # anonymous access: the profile authenticates (tools: profiles.needs_auth)
+    return bool(cfg["users"]) or bool(cfg["acl"]) or not cfg["allow_anonymous"]
+
+
 def load_modules(cfg):
     """Imports what the profile needs beside this module (edgestore for a
-    flash store, edgeram for a RAM one, edgebridge for bridges), then
+    flash store, edgeram for a RAM one, edgeauth for users or an acl,
+    edgebridge for bridges), then
     collects: before anything long-lived is allocated. Loading a .mpy makes temporary buffers; made
     after the broker's objects, they leave holes between them, and the
     heap has no block for a 3 KB index chunk with 20 KB free (measured on
@@ -4068,6 +3967,8 @@ def load_modules(cfg):
         import edgestore  # noqa: F401 (loaded now, used by open_store)
     else:
         import edgeram  # noqa: F401 (loaded now, used by open_store)
+    if _auth_needed(cfg):
+        import edgeauth  # noqa: F401 (loaded now, used by the Engine)
     if cfg["bridges"]:
         import edgebridge  # noqa: F401 (loaded now, used by start)
     gc.collect()

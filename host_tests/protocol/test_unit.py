@@ -77,3 +77,39 @@ def test_ram_store_reads_messages_by_the_brokers_slot_names():
     assert all(broker[k] == v for k, v in ram.items())
     text = (REPO / "lib" / "edgeram.py").read_text()
     assert re.findall(r"\bm\[[0-9]\]", text) == []
+
+
+_AUTH_PROBE = r"""
+import sys
+sys.path.insert(0, LIB)
+import edgebroker as eb
+e = eb.Engine(eb.limits({}))
+print("anonymous", e.auth is None, "edgeauth" in sys.modules)
+rules = [{"who": "all", "access": "read", "topic": "a/#"},
+         {"who": "user:ann", "access": "readwrite", "topic": "u/%u/#"}]
+e = eb.Engine(eb.limits({"acl": rules}))
+acl = e.acl_for("c1", "ann")
+print("acl", "edgeauth" in sys.modules, e.auth.may(acl, "a/b", 1), e.auth.may(acl, "a/b", 2),
+      e.auth.may(acl, "u/ann/x", 2), e.auth.may(acl, "u/bob/x", 1))
+try:
+    eb.limits({"acl": [{"who": "all", "access": "write", "topic": "a/#/b"}]})
+except ValueError as x:
+    print("refused", x)
+"""
+
+
+@pytest.mark.parametrize("interpreter", ["cpython", "micropython"])
+def test_passwords_and_acls_load_only_for_a_profile_that_uses_them(interpreter):
+    """lib/edgeauth.py: an Engine of an anonymous profile without an acl
+    never imports it (its code is heap on a board); one with an acl does,
+    and the rules hold; a bad rule is still refused naming its key."""
+    exe = sys.executable
+    if interpreter == "micropython":
+        exe = str(Path(sys.executable).parent / "micropython")
+    code = _AUTH_PROBE.replace("LIB", repr(str(REPO / "lib")))
+    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "anonymous True False"
+    assert lines[1] == "acl True True False True False"
+    assert lines[2].startswith("refused acl[0].topic: 'a/#/b'")

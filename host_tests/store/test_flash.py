@@ -384,6 +384,32 @@ def test_build_reports_sizes_and_fails_over_budget(tmp_path):
     assert "OVER BUDGET" in build_cmd.report(result)
 
 
+def test_the_passwords_module_ships_only_with_a_profile_that_authenticates(tmp_path):
+    """lib/edgeauth.py (passwords and topic ACLs) is heap on a board: the
+    build ships it for a profile with users, an acl or no anonymous access,
+    and a secrets file that brings users to a profile without it is refused
+    in one line before the board is touched (the board would stop at boot)."""
+    def shipped(*overrides):
+        target = build_cmd.load_target("esp32", list(overrides))
+        return {s.remote for s in build_cmd.sources(target.profile)}
+
+    assert "lib/edgeauth.mpy" not in shipped()  # anonymous clients, no acl
+    assert "lib/edgeauth.mpy" in shipped("allow_anonymous=false")
+    secrets = tmp_path / "secrets.json"
+    key = "pbkdf2_sha256:1000:%s:%s" % ("00" * 16, "0" * 64)
+    secrets.write_text(json.dumps(dict(SECRETS, users={"ann": key})))
+    res = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--secrets", str(secrets),
+                     "--dist", str(tmp_path / "dist"), "--dry-run")
+    assert res.returncode == 2
+    refusal = [x for x in res.stderr.splitlines() if "has users" in x]
+    assert len(refusal) == 1 and '"allow_anonymous": false' in refusal[0], res.stderr
+    res = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--secrets", str(secrets),
+                     "--dist", str(tmp_path / "dist"), "--set", "allow_anonymous=false",
+                     "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "lib/edgeauth.mpy" in res.stdout
+
+
 def test_build_is_current_until_an_input_changes(tmp_path):
     target = build_cmd.load_target("host")
     assert not build_cmd.is_current(target, tmp_path / "host")
@@ -467,6 +493,8 @@ def test_package_json_installs_with_mpremote_mip(tmp_path):
 
     t = Recorder()
     mip._install_package(t, str(REPO / "package.json"), "unused-index", "/lib", None, False)
-    assert set(t.files) == {"/lib/edgebroker.py", "/lib/edgestore.py", "/lib/edgeram.py"}
-    assert t.files["/lib/edgebroker.py"] == (REPO / "lib" / "edgebroker.py").read_bytes()
-    assert t.files["/lib/edgestore.py"] == (REPO / "lib" / "edgestore.py").read_bytes()
+    # every module of lib/ (the broker imports the ones a profile uses)
+    lib = sorted(p.name for p in (REPO / "lib").glob("*.py"))
+    assert set(t.files) == {"/lib/" + name for name in lib}
+    for name in lib:
+        assert t.files["/lib/" + name] == (REPO / "lib" / name).read_bytes()

@@ -132,7 +132,7 @@ broker.shutdown()
 #: Imports one module list from a directory and prints the cost of each.
 #: Modules that import edgebroker (measured after it, their min heap beside it),
 #: in the order a profile loads them (edgebroker.load_modules).
-DEPENDENT_MODULES: Final = ("edgeram", "edgebridge")
+DEPENDENT_MODULES: Final = ("edgeram", "edgeauth", "edgebridge")
 
 IMPORT_SCRIPT: Final = r"""
 import gc

@@ -398,6 +398,7 @@ MODEL_TEXT: Final = """\
 
     code = import cost of lib/edgebroker.py + lib/edgestore.py (lib/edgeram.py when
            storage_type is ram)
+           (+ lib/edgeauth.py when users or acl is not empty or allow_anonymous is false)
            (+ lib/edgebridge.py when bridges is not empty)
            .mpy from the filesystem (bytecode in RAM) when romfs is false,
            the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true
@@ -559,8 +560,17 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
     return out
 
 
+def needs_auth(cfg: Mapping[str, Any]) -> bool:
+    """Whether the profile loads edgeauth (passwords and topic ACLs): the
+    rule of edgebroker's _auth_needed(), on a profile whose keys may be
+    missing (a missing key has the broker's default)."""
+    return bool(cfg.get("users")) or bool(cfg.get("acl")) or cfg.get("allow_anonymous") is False
+
+
 def modules_for(cfg: Mapping[str, Any]) -> list[str]:
     mods = ["edgebroker", "edgeram" if cfg["storage_type"] == "ram" else "edgestore"]
+    if needs_auth(cfg):
+        mods.append("edgeauth")
     return [*mods, "edgebridge"] if _bridges(cfg) else mods
 
 

@@ -131,7 +131,11 @@ def steps(out):
     yield
     b = alloc()
     out["import_mpy.edgeram"] = b - a
-    a = b
+    import edgeauth  # noqa: F401
+
+    yield
+    a = alloc()
+    out["import_mpy.edgeauth"] = a - b
     import edgebridge  # noqa: F401
 
     yield

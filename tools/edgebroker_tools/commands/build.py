@@ -129,7 +129,7 @@ def load_target(arg: str, overrides: Sequence[str] = (), *, lines: bool = False)
 #: profiles.modules_for): code is heap on a board without ROMFS, so what a
 #: profile does not use is not shipped. A key the profile leaves out has
 #: the broker's default (storage_type "ram", no bridges).
-OPTIONAL_MODULES: Final = ("edgestore", "edgeram", "edgebridge")
+OPTIONAL_MODULES: Final = ("edgestore", "edgeram", "edgeauth", "edgebridge")
 
 
 def _wanted(stem: str, profile: Mapping[str, Any] | None) -> bool:

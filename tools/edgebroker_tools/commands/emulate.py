@@ -260,6 +260,8 @@ def launcher_argv(
                 "RAM store"
             )
         sources.append(lib / "edgeram.py")
+    if profiles.needs_auth(cfg):
+        sources.append(lib / "edgeauth.py")
     profile_path = data_dir / PROFILE_FILE
     profile_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     main_argv = [

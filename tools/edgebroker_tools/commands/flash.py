@@ -490,6 +490,14 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
     if users.errors:
         raise CommandError(f"secrets file {path}: " + "; ".join(i.text for i in users.errors))
     warnings += [i.text for i in users.warnings]
+    if data.get("users") and not profiles.needs_auth(target.profile):
+        # the build ships edgeauth only for a profile that authenticates:
+        # without it the board would stop at boot with an ImportError
+        raise CommandError(
+            f"secrets file {path} has users, but {target.name} lists no users and allows "
+            'anonymous clients, so its build has no passwords module: set "allow_anonymous": '
+            "false in the profile (the users then come from this file)"
+        )
     return warnings
 
 
