@@ -483,13 +483,15 @@ def _asyncio():
             # whose message formats the socket (getsockname, getpeername,
             # getpid: three syscalls, about 5% of the loop when the bridge
             # forwards). Lookups by number or by this object work as before.
-            # fut: the read waiting now; idle: woken with nobody waiting.
-            __slots__ = ("s", "fut", "idle")
+            # fut: the read waiting now; idle: woken with nobody waiting;
+            # loop: the one it is registered with
+            __slots__ = ("s", "fut", "idle", "loop")
 
-            def __init__(self, s):
+            def __init__(self, s, loop):
                 self.s = s
                 self.fut = None
                 self.idle = False
+                self.loop = loop
 
             def fileno(self):
                 return self.s.fileno()
@@ -515,7 +517,7 @@ def _asyncio():
                 # the task is busy elsewhere: stop watching (level-triggered
                 # epoll would call this on every turn of the loop)
                 _readers.pop(fd.s, None)
-                asyncio.get_running_loop().remove_reader(fd)
+                fd.loop.remove_reader(fd)
             else:
                 fd.idle = True
 
@@ -524,8 +526,9 @@ def _asyncio():
             fut = loop.create_future()
             if not write:
                 fd = _readers.get(sock)
-                if fd is None:
-                    fd = _Fd(sock)
+                if fd is None or fd.loop is not loop:
+                    # (or kept by a loop that has ended: asyncio.run again)
+                    fd = _Fd(sock, loop)
                     try:
                         # an entry under this number left by a socket closed
                         # unforgotten would take the new one's place unpolled
@@ -549,7 +552,7 @@ def _asyncio():
                         pass
                     raise
                 return
-            sock = _Fd(sock)
+            sock = _Fd(sock, loop)
             loop.add_writer(sock, _done, fut)
             try:
                 await fut

@@ -167,3 +167,23 @@ def test_a_wait_cancelled_after_its_socket_closed_does_not_hide_the_next_socket(
             d.close()
 
     asyncio.run(main())
+
+
+def test_a_reader_kept_by_an_ended_loop_is_registered_again_in_the_next():
+    # asyncio.run twice on one socket: the first loop ended with its reader kept
+    eb = _eb()
+    a, b = _pair()
+
+    async def once(data):
+        b.send(data)
+        async with asyncio.timeout(2):
+            await eb._io_wait(a, False)
+        assert a.recv(16) == data
+
+    try:
+        asyncio.run(once(b"x"))
+        asyncio.run(once(b"y"))
+    finally:
+        eb._io_forget(a)
+        a.close()
+        b.close()
