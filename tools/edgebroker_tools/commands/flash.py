@@ -496,7 +496,8 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
         raise CommandError(
             f"secrets file {path} has users, but {target.name} lists no users and allows "
             'anonymous clients, so its build has no passwords module: set "allow_anonymous": '
-            "false in the profile (the users then come from this file)"
+            "false in the profile (the users then come from this file), or keep anonymous "
+            "clients and add the users to the profile (edgebroker passwd NAME --file PROFILE)"
         )
     return warnings
 
