@@ -424,7 +424,8 @@ class Queue:
         blen = _MHEAD + tl + pl + len(payload)
         # room for the record and the cursor record the next commit may add
         n = blen + 26
-        if self.nbytes + n > self.budget:
+        wb = self.wb
+        if self.fend + len(wb) - self.cursor + n > self.budget:  # nbytes, inlined
             if not self.drop_oldest or n > self.budget:
                 self.drops += 1
                 return False
@@ -432,7 +433,6 @@ class Queue:
                 self._drop_first()
         # record(T_MSG, body) written in place: no copies (the CRC
         # of type, length and body in one pass is the chained one)
-        wb = self.wb
         i = len(wb)
         wb += pack(">BIIBBIIHI", T_MSG, blen, self.seq, qos, flags, exp, wall, tl, pl)
         wb += topic_b
@@ -649,7 +649,19 @@ class Bridge:
                 if len(f) > 2 and f[-2:] == "/#" and "+" not in f and f[-3] != "/":
                     pre = f[:-1]
                 rb = r["remote_prefix"].encode()
-                self.outr.append((f.split("/"), r, pre, rb, len(r["local_prefix"].encode())))
+                # (filter levels, rule, prefix, remote prefix bytes, local prefix
+                # length, the rule's qos, latest mode): what put() reads per message
+                self.outr.append(
+                    (
+                        f.split("/"),
+                        r,
+                        pre,
+                        rb,
+                        len(r["local_prefix"].encode()),
+                        r["qos"],
+                        r["mode"] == "latest",
+                    )
+                )
             if r["direction"] in ("in", "both"):
                 f = r["remote_prefix"] + r["pattern"]
                 self.inr.append((f, f.split("/"), r))
@@ -741,7 +753,7 @@ class Bridge:
         if self.inbound:
             return False  # came from upstream: never sent back (no loop)
         topic = msg[0]
-        for flev, r, pre, rb, ll in self.outr:  # noqa: B007 (read after the break)
+        for flev, _r, pre, rb, ll, rq, latest in self.outr:  # noqa: B007 (read after the break)
             if pre is not None:
                 # "a/b/#" matches "a/b" and everything below it (4.7.1.2);
                 # the parent compared without slicing pre (no string a message)
@@ -752,7 +764,9 @@ class Bridge:
         else:
             return False
         tb = rb + msg[1][ll:]  # the remote topic, from the topic's bytes
-        qos = min(msg[3], r["qos"])
+        qos = msg[3]
+        if qos > rq:
+            qos = rq
         exp = 0
         flags = F_RETAIN if retain else 0
         if msg[5]:
@@ -760,7 +774,7 @@ class Bridge:
             if exp <= 0:
                 return False
             flags |= F_EXP
-        if retain and r["qos"]:
+        if retain and rq:
             qos = qos or 1  # retained state must arrive: deletes included
         if qos == 0:
             if self.up and len(self.out) < self.eng.max_outbuf:
@@ -774,7 +788,7 @@ class Bridge:
         pos = self.q.end
         if self.pace and not self.split:
             self._mark(tb)
-        if r["mode"] == "latest":
+        if latest:
             flags |= F_LATEST
         now = self.eng.now_s
         if now != self.wnow:
