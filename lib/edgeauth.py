@@ -1,10 +1,11 @@
 # edgeauth: passwords and topic ACLs of edgebroker. A module of its own so
-# that a board whose profile has no users and no acl (anonymous clients, a
-# closed network) does not hold this code in its heap. The same file runs on
-# MicroPython and CPython; it does not look at which: the broker's compat
-# block does, and what this module needs of it comes from there. Nothing
-# happens at import; the broker imports it when a profile has users or an
-# acl (load_modules(), limits() to check the acl, Engine).
+# that a board whose profile does not authenticate (anonymous clients, no
+# users, no acl: a closed network) does not hold this code in its heap. The
+# same file runs on MicroPython and CPython; it does not look at which: the
+# broker's compat block does, and what this module needs of it comes from
+# there. Nothing happens at import; the broker imports it for a profile with
+# users, an acl or allow_anonymous false (load_modules() and the Engine:
+# edgebroker._auth_needed; limits() to check an acl).
 from edgebroker import const, topic_matches, valid_filter
 
 # Topic ACLs: rule access as bits; a deny rule wins over any allow.
@@ -13,6 +14,7 @@ _ACL_MAX = const(1000)
 
 
 def check_acl(rules):
+    # the profile's acl: ValueError naming the rule, its key and what is allowed
     if len(rules) > _ACL_MAX:
         raise ValueError("acl: %d rules (allowed at most %d)" % (len(rules), _ACL_MAX))
     for n, r in enumerate(rules):
@@ -86,10 +88,10 @@ def _pbkdf2_sha256(pw, salt, n):
 
 
 def acl_for(rules, cid, user):
-    """The profile's acl for one client, expanded once at CONNECT
-    (%c: client id, %u: user name): [(access bits, filter levels)], or
-    None when there is no acl. A rule whose %c or %u would bring a
-    wildcard or a level separator in is left out (it allows nothing)."""
+    """The profile's acl rules for one client, expanded once at CONNECT
+    (%c: client id, %u: user name): [(access bits, filter levels)] of the
+    rules that name it. A rule whose %c or %u would bring a wildcard or a
+    level separator in is left out (it allows nothing)."""
     out = []
     for r in rules:
         who = r["who"]
