@@ -637,7 +637,8 @@ class Bridge:
         cfg = broker.cfg
         self.durable = cfg["storage_type"] in ("disc", "disc_only")
         # outbound rules: (local filter levels, rule, prefix, remote prefix
-        # bytes, local prefix length in bytes); prefix is "a/b/" for a
+        # bytes, local prefix length in bytes, the rule's qos, latest mode):
+        # put() reads all but the rule per message; prefix is "a/b/" for a
         # filter "a/b/#" without "+" (put() matches it by startswith, no
         # split per message: the same topics, MQTT-4.7.1), else None
         self.outr = []
@@ -649,8 +650,6 @@ class Bridge:
                 if len(f) > 2 and f[-2:] == "/#" and "+" not in f and f[-3] != "/":
                     pre = f[:-1]
                 rb = r["remote_prefix"].encode()
-                # (filter levels, rule, prefix, remote prefix bytes, local prefix
-                # length, the rule's qos, latest mode): what put() reads per message
                 self.outr.append(
                     (
                         f.split("/"),

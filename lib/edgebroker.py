@@ -3958,9 +3958,9 @@ def _auth_needed(cfg):
 
 def load_modules(cfg):
     """Imports what the profile needs beside this module (edgestore for a
-    flash store, edgeram for a RAM one, edgeauth for users or an acl,
-    edgebridge for bridges), then
-    collects: before anything long-lived is allocated. Loading a .mpy makes temporary buffers; made
+    flash store, edgeram for a RAM one, edgeauth when it authenticates:
+    _auth_needed, edgebridge for bridges), then collects: before anything
+    long-lived is allocated. Loading a .mpy makes temporary buffers; made
     after the broker's objects, they leave holes between them, and the
     heap has no block for a 3 KB index chunk with 20 KB free (measured on
     a 32-bit port: the esp32 profile then needed a 118 KB heap to start;
@@ -4168,7 +4168,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    # edgeram and edgebridge import this module by name: run as a script
+    # edgeram, edgeauth and edgebridge import this module by name: run as a script
     # (CPython), it is that module too, not a second copy of it
     _me = sys.modules.get(__name__)
     if _me is not None:

@@ -113,39 +113,35 @@ QTOPIC = "queued/topic/0000/abcdefg"  # 25 bytes, as the socket-level measuremen
 ITOPIC = "inflight/topic/00/abcdefg"
 
 
+# the modules in the order a profile loads them (edgebroker.load_modules),
+# with their figure's name: literals, so that no key is made between reads
+MODULES = (
+    ("edgebroker", "import_mpy.edgebroker"),
+    ("edgestore", "import_mpy.edgestore"),
+    ("edgeram", "import_mpy.edgeram"),  # an Engine without a store makes a RamStore
+    ("edgeauth", "import_mpy.edgeauth"),
+    ("edgebridge", "import_mpy.edgebridge"),
+)
+
+
 def steps(out):
     yield
     a = alloc()
+    i = 0
+    while i < len(MODULES):  # (by index: a for loop's iterator is heap too)
+        __import__(MODULES[i][0])
+        yield
+        b = alloc()
+        out[MODULES[i][1]] = b - a
+        a = b
+        i += 1
     import edgebroker as eb
 
-    yield
-    b = alloc()
-    out["import_mpy.edgebroker"] = b - a
-    import edgestore  # noqa: F401
-
-    yield
-    a = alloc()
-    out["import_mpy.edgestore"] = a - b
-    import edgeram  # noqa: F401 (an Engine without a store makes a RamStore)
-
-    yield
-    b = alloc()
-    out["import_mpy.edgeram"] = b - a
-    import edgeauth  # noqa: F401
-
-    yield
-    a = alloc()
-    out["import_mpy.edgeauth"] = a - b
-    import edgebridge  # noqa: F401
-
-    yield
-    b = alloc()
-    out["import_mpy.edgebridge"] = b - a
     eng = eb.Engine(eb.limits(LIMITS), None, log)
     eng.start(T0)
 
     yield
-    out["engine_idle"] = alloc() - b
+    out["engine_idle"] = alloc() - a
     # connections: the slope between 8 and 32 idle clients
     conns = []
     pts = {}

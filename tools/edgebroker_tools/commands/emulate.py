@@ -248,20 +248,18 @@ def launcher_argv(
     (None: the default, see --server)."""
     notes: list[str] = []
     lib = runner.repo_root() / "lib"
-    sources = [lib / "edgebroker.py"]
-    store_src = lib / "edgestore.py"
-    flash = cfg["storage_type"] != "ram"
-    if flash and store_src.is_file():
-        sources.append(store_src)
-    else:
-        if flash:
+    # the modules the board gets (config check counts the same ones); each
+    # compiled afresh, so none runs stale bytecode from the shared .mpy cache
+    sources = []
+    for mod in profiles.modules_for(cfg):
+        src = lib / f"{mod}.py"
+        if mod == "edgestore" and not src.is_file():
             notes.append(
                 f"lib/edgestore.py not found: storage_type {cfg['storage_type']} runs on the "
                 "RAM store"
             )
-        sources.append(lib / "edgeram.py")
-    if profiles.needs_auth(cfg):
-        sources.append(lib / "edgeauth.py")
+            src = lib / "edgeram.py"
+        sources.append(src)
     profile_path = data_dir / PROFILE_FILE
     profile_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     main_argv = [
