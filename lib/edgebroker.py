@@ -1468,6 +1468,7 @@ class Conn:
     oalias = None  # outbound: topic bytes -> alias
     problem = True  # Request Problem Information
     defer = None  # acks waiting for a durable store commit
+    resend = 0  # in-flight entries not yet resent since CONNECT: the last ones
     held = None  # bytearray: unparsed input held back by flow control
     tls = False  # its socket is a TLS socket (the listener's tls_cert)
     linger = False  # ended by a protocol error: drained before the close
@@ -1614,8 +1615,23 @@ class Engine:
         return o
 
     def write(self, conn, data):
-        if not conn.closed:
-            self.outbuf(conn).extend(data)
+        if conn.closed:
+            return
+        o = self.outbuf(conn)
+        # what one send buffer may ever hold: deliveries wait past max_outbuf
+        # (one packet may go over), acks and ping responses have max_outbuf
+        # more (the memory model counts exactly this: tools' profiles.py).
+        # Checked here, not when the socket takes bytes: the socket of a
+        # client that sends and never reads never becomes writable.
+        if len(o) + len(data) > 2 * self.max_outbuf + self.max_packet:
+            self.cut_off(conn)
+            return
+        o.extend(data)
+
+    def cut_off(self, conn):
+        # a client that reads neither its messages nor its acks and pings
+        self.refuse("slow_reader", "client %s not reading, closed", conn.cid)
+        self.close(conn, True)
 
     def send_ack(self, conn, data):
         # PUBACK/PUBREC leave in the order the PUBLISHes came (4.6); once one
@@ -2085,23 +2101,35 @@ class Engine:
             ka,
             ", session present" if present else "",
         )
-        # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL. An
-        # entry that can no longer be sent (expired while the client was
-        # away, MQTT-3.3.2-5, or larger than its new Maximum Packet Size,
-        # MQTT-3.1.2-25) is released: it must not hold the window for good.
+        # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL, in
+        # their order, paced by max_outbuf like any delivery (resend())
         if sess.inflight:
-            keep = []
-            for ent in sess.inflight:
+            conn.resend = len(sess.inflight)
+        self.pump(sess)
+
+    def resend(self, sess, conn):
+        """Resends the in-flight entries a reconnected client has not had
+        again yet (the last conn.resend of sess.inflight) while its buffer
+        allows; True once none is left. Nothing new goes out before them
+        (4.6). An entry that can no longer be sent (expired while the client
+        was away, MQTT-3.3.2-5, or larger than its new Maximum Packet Size,
+        MQTT-3.1.2-25) is released: it must not hold the window for good."""
+        inflight = sess.inflight
+        k = len(inflight) - conn.resend
+        while conn.resend and conn.out_len() <= self.max_outbuf:
+            ent = inflight[k]
+            conn.resend -= 1
+            if ent[_F_MSG] is None:  # PUBREL sent before
+                self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
+            else:
                 qr = ent[_F_QR]
-                if ent[_F_MSG] is None:  # PUBREL sent before
-                    self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
-                    keep.append(ent)
-                elif self.encode_publish(
+                if not self.encode_publish(
                     conn, ent[_F_MSG], qr >> 1, qr & 1, ent[_F_PID], ent[_F_SIDS], True
                 ):
-                    keep.append(ent)
-            sess.inflight = keep
-        self.pump(sess)
+                    inflight.pop(k)
+                    continue
+            k += 1
+        return not conn.resend
 
     def connack_refuse(self, conn, rc5, rc3, cause, text):
         self.refuse(cause, text)
@@ -2463,7 +2491,12 @@ class Engine:
                 return
             self.encode_publish(conn, msg, 0, retain, 0, sids, False)
             return
-        if sess.queue or len(sess.inflight) >= conn.window or conn.out_len() > self.max_outbuf:
+        if (
+            sess.queue
+            or len(sess.inflight) >= conn.window
+            or conn.out_len() > self.max_outbuf
+            or conn.resend
+        ):
             self.enqueue(sess, q_entry(msg, qos, retain, sids))
             if len(sess.queue) >= self.hw:
                 self.mark(sess)
@@ -2581,6 +2614,8 @@ class Engine:
         conn = sess.conn
         if conn is None or conn.closed:
             return
+        if conn.resend and not self.resend(sess, conn):
+            return
         q = sess.queue
         if type(sess.inflight) is tuple and (q or sess.rq):
             sess.inflight = []  # grown here, so the name below stays the list
@@ -2653,6 +2688,14 @@ class Engine:
                     + (bytes((_RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""),
                 )
             return
+        first = len(inflight) - conn.resend
+        if k >= first:
+            # acknowledged before its resend (it arrived before the client
+            # reconnected): out of the entries still to resend, in their place
+            conn.resend -= 1
+            if k != first:
+                inflight.insert(first, inflight.pop(k))
+                k = first
         if ptype == _PUBACK:
             if e[_F_QR] >> 1 != 1:
                 raise MqttError(_RC_PROTOCOL, "PUBACK for a QoS 2 message")
@@ -2959,15 +3002,11 @@ class Engine:
         if n >= len(o):
             conn.out = None
             sess = conn.sess
-            if sess is not None and sess.rq and sess not in self.busy:
+            if sess is not None and (sess.rq or conn.resend) and sess not in self.busy:
                 self.busy.append(sess)  # drained: paced delivery goes on
             return True
         if n:
             o[0:n] = b""
-        if len(o) > 4 * self.max_outbuf + self.max_packet:
-            # a client that does not read its acks and pings is cut off
-            self.refuse("slow_reader", "client %s not reading, closed", conn.cid)
-            self.close(conn, True)
         return False
 
     def turn(self, now):

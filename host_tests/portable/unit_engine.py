@@ -774,6 +774,100 @@ def test_reconnect_resends_unacknowledged_publish_with_dup_and_pubrel_MQTT_4_4_0
     assert got[1] == (0x62, u16(m2.pid))                     # PUBREL again, same id
 
 
+def test_reconnect_resend_is_paced_by_max_outbuf_in_order_MQTT_4_4_0_1_and_4_6():
+    # a session back with more in flight than its send buffer takes gets
+    # them again as the buffer drains (never more than max_outbuf plus one
+    # packet waiting), each with DUP and its packet id, in the order first
+    # sent, and a message published meanwhile only after them (4.6)
+    eng = mk(max_outbuf=256, max_inflight=8)
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
+    s.sub("r", 1)
+    p = Peer(eng, "p")
+    first = []
+    for i in range(6):
+        p.send(publish("r", b"%d" % i + b"." * 150, 1, i + 1))
+        first += s.msgs()
+    assert [m.payload[:1] for m in first] == [b"0", b"1", b"2", b"3", b"4", b"5"]
+    eng.lost(s.c, T0 + 1)
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60), now=T0 + 2)
+    assert s.connack[0] == 1
+    c = s.c
+    assert c.out_len() + sum(len(b) + 2 for _, b in s.held) <= 256 + 200
+    p.send(publish("r", b"new", 1, 7))                       # during the resend
+    got = s.held
+    s.held = []
+    seen = []
+    for _ in range(10):
+        for f, b in got:
+            seen.append(Msg(f, b, 5))
+        if len(seen) >= 7:
+            break
+        o = bytes(c.out) if c.out else b""
+        assert len(o) <= 256 + 200, len(o)
+        eng.sent(c, len(o))
+        eng.turn(T0 + 3)
+        got = split(bytes(c.out) if c.out else b"") if c.out else []
+        if got:
+            s.held = []
+    resent = seen[:6]
+    assert [(m.payload[:1], m.pid, m.dup) for m in resent] == [
+        (m.payload[:1], m.pid, 1) for m in first], resent
+    for m in resent:
+        s.send(ack(4, m.pid))
+    tail = seen[6:] + s.msgs()
+    assert [m.payload for m in tail] == [b"new"], tail
+
+
+def test_reconnect_ack_before_its_resend_releases_it_MQTT_4_4_0_1():
+    # a PUBACK for an entry not resent yet (its first copy arrived before
+    # the reconnect) ends it: it is not sent again, the rest still are
+    eng = mk(max_outbuf=256, max_inflight=8)
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
+    s.sub("r", 1)
+    p = Peer(eng, "p")
+    first = []
+    for i in range(4):
+        p.send(publish("r", b"%d" % i + b"." * 200, 1, i + 1))
+        first += s.msgs()
+    assert len(first) == 4
+    eng.lost(s.c, T0 + 1)
+    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60), now=T0 + 2)
+    c = s.c
+    got = [Msg(f, b, 5) for f, b in s.held]                   # resent with the CONNACK
+    s.held = []
+    assert c.resend >= 2                                     # paced: not all went out
+    s.send(ack(4, first[3].pid))                             # the last, before its resend
+    for _ in range(8):
+        o = bytes(c.out) if c.out else b""
+        got += [Msg(f, b, 5) for f, b in split(o) if f >> 4 == 3]
+        eng.sent(c, len(o))
+        eng.turn(T0 + 3)
+        if not c.resend and not c.out:
+            break
+    assert [m.pid for m in got] == [m.pid for m in first[:3]], got
+    assert all(m.dup for m in got)
+
+
+def test_client_that_never_reads_is_cut_off_at_its_buffer_bound():
+    # acks and ping responses pile up for a client that sends and never
+    # reads (its socket never becomes writable, so sent() is never called):
+    # the buffer stays within 2 x max_outbuf + max_packet_size and the
+    # connection is closed, counted under refusals slow_reader
+    eng = mk(max_outbuf=256, max_packet_size=1024)
+    cap = 2 * 256 + 1024
+    c = Peer(eng, "pinger", v=4)
+    for i in range(2000):
+        c.send(h("c0 00"))
+        assert c.c.out_len() <= cap, c.c.out_len()
+        if c.c.closed:
+            break
+    assert c.c.closed
+    assert eng.refusals.get("slow_reader") == 1
+    q = Peer(eng, "q", v=4)                                   # others unaffected
+    q.send(h("c0 00"))
+    assert q.out() == h("d0 00")
+
+
 def test_regression_1_expired_inflight_message_blocks_session_MQTT_4_4_0_1():
     # ENGINE BUG 1 (lead's engine-bugs notes): on reconnect an unacknowledged PUBLISH
     # whose Message Expiry passed is neither resent (MQTT-4.4.0-1) nor

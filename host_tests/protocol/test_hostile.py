@@ -9,6 +9,7 @@ server (conftest's ``interp`` ids).
 - quadratic parsing (huge User Property counts, partial large packets)
 - in-flight entries that could never be resent holding the window for good
 - one session's queue bounded in bytes, not only in messages
+- a client that sends and never reads grew its send buffer without bound
 """
 
 import json
@@ -320,3 +321,53 @@ def test_will_user_properties_bounded(broker_factory, interp):
         c.send(connect_packet("wp", will=will))
         assert c.expect_connack(3).reason == 0x83
         assert c.closed(3)
+
+
+def test_client_that_never_reads_is_closed_at_its_buffer_bound(broker_factory, interp):
+    """Defect 10: a client that keeps sending PINGREQs and never reads kept
+    every PINGRESP in the broker's send buffer: the bound was checked only
+    when the socket took bytes, which for such a client it never does (the
+    CPython broker grew by 76 MB in 20 s). Now the buffer is bounded at
+    2 x max_outbuf + max_packet_size (what `config check` counts) and the
+    client is closed, counted under refusals slow_reader; others are served."""
+    b = broker_factory(max_outbuf=256, max_packet_size=1024)
+    requires_edgebroker(b)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(5)
+    s.connect(("127.0.0.1", b.port))
+    try:
+        s.sendall(connect_packet("never-reads", version=4))
+        pings = b"\xc0\x00" * 8192
+        refusal = "refused (slow_reader) client never-reads not reading, closed"
+        sent = 0
+        t0 = time.monotonic()
+        # loopback buffers take a few MB of PINGRESP before the broker's own
+        # buffer fills; bounded in bytes and time
+        while sent < 256 * 1024 * 1024 and time.monotonic() - t0 < 60:
+            try:
+                s.sendall(pings)
+            except OSError:  # reset: closed already
+                break
+            sent += len(pings)
+            if sent % (64 * len(pings)) == 0 and refusal in b.log_text():
+                break
+        assert refusal in b.log_text(), "not closed after %d bytes of PINGREQ" % sent
+        # a closed connection is drained for at most 2 s (graceful close),
+        # then it is gone: a send fails
+        closed = False
+        t1 = time.monotonic()
+        while not closed and time.monotonic() - t1 < 10:
+            try:
+                s.sendall(pings)
+                time.sleep(0.05)
+            except OSError:
+                closed = True
+        assert closed
+        assert b.alive()
+    finally:
+        s.close()
+    with RawClient(b.port) as c:
+        assert c.connect("after").reason == 0
+        c.send(b"\xc0\x00")
+        assert c.expect(13, 5)

@@ -429,8 +429,10 @@ with heap_bytes scaled the other way (x1.54) and tests it.
     client    = per_connection
               + max_subscriptions x per_subscription
               + (max_inflight + max_queued + 1 will) x message
-              + max_outbuf + max_packet_size   (output buffer: held back past max_outbuf,
-                                                one packet may go over)
+              + 2 x max_outbuf + max_packet_size   (output buffer: deliveries wait past
+                                                max_outbuf, one packet may go over; acks
+                                                and ping responses have max_outbuf more;
+                                                a client past it all is closed)
               + max_packet_size                (an inbound packet still incomplete)
     session   = per_offline_session + max_subscriptions x per_subscription
               + (max_inflight + max_queued) x message
@@ -615,7 +617,7 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
         _cost(costs, "per_connection")
         + subs
         + (window + 1) * msg
-        + int(cfg["max_outbuf"])
+        + 2 * int(cfg["max_outbuf"])
         + 2 * packet
     )
     n_clients = int(cfg["max_clients"])
