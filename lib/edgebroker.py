@@ -3,7 +3,8 @@
 # One file, sectioned like a table of contents:
 #   1. compat            the only place that knows there are two interpreters
 #   2. constants         packet types, reason codes, property ids
-#   3. limits            every limit with its default and allowed values
+#   3. limits            the profile: limits(), with_secrets() (its defaults,
+#                        allowed values and checks: lib/edgeconf.py, boot-only)
 #   4. codec             reading and writing the wire format
 #   5. topics            validation and the subscription tree
 #   6. retained store    the message tuple, the store interface (its RAM
@@ -704,177 +705,27 @@ _FORWARDED = (_P_PAYLOAD_FORMAT, _P_CONTENT_TYPE, _P_RESPONSE_TOPIC, _P_CORRELAT
 _MAX_VBI = const(268435455)
 _NO_LIMIT_PACKET = const(268435460)
 
+
 # --------------------------------------------------------------- 3. limits
-# Every limit a board profile may set: key -> default. README.md and
-# boards/schema.json document unit and consequence; the tools validate.
-DEFAULTS = {
-    "board": "host",
-    "max_clients": 16,
-    "max_packet_size": 16384,
-    "max_subscriptions": 32,
-    "max_topic_length": 256,
-    "max_topic_levels": 16,
-    "max_inflight": 16,
-    "max_queued": 64,
-    "max_queued_bytes": 1048576,
-    "slow_consumer_timeout": 30,
-    "max_user_properties": 64,
-    "max_outbuf": 16384,
-    "max_sessions": 32,
-    "topic_alias_maximum": 10,
-    "server_keep_alive": 0,
-    "max_keepalive": 0,
-    "max_session_expiry": 86400,
-    "maximum_qos": 2,
-    "heap_reserve": 16384,
-    "allow_anonymous": True,
-    "users": {},
-    "acl": [],
-    "tls_cert": "",
-    "tls_key": "",
-    "tls_client_ca": "",
-    "retain_available": True,
-    "max_retained_messages": 1000,
-    "max_payload_size": 4096,
-    "expiry_interval": 0,
-    "store_budget_bytes": 262144,
-    "storage_type": "ram",
-    "compact_ratio": 0.5,
-    "compact_min_bytes": 4096,
-    "sys_interval": 10,
-    "backlog": 16,
-    "io_chunk": 4096,
-    "connect_timeout": 10,
-    "log_level": "info",
-    "bridges": [],
-}
-
-
-# Allowed values of each limit (boards/schema.json says the same, with units
-# and consequences; the tools check profiles against it before a board sees
-# them). Numbers: (min, max); strings: the allowed words.
-_RANGES = {
-    "max_clients": (1, 65535),
-    "max_packet_size": (128, 268435460),
-    "max_subscriptions": (1, 65535),
-    "max_topic_length": (1, 65535),
-    "max_topic_levels": (1, 65535),
-    "max_inflight": (1, 65535),
-    "max_queued": (1, 1000000),
-    "max_outbuf": (256, 268435456),
-    "max_queued_bytes": (1024, 1073741824),
-    "slow_consumer_timeout": (1, 86400),
-    "max_user_properties": (0, 65535),
-    "max_sessions": (0, 1000000),
-    "topic_alias_maximum": (0, 65535),
-    "server_keep_alive": (0, 65535),
-    "max_keepalive": (0, 65535),
-    "max_session_expiry": (0, 4294967295),
-    "maximum_qos": (0, 2),
-    "heap_reserve": (0, 1073741824),
-    "max_retained_messages": (0, 1000000),
-    "max_payload_size": (0, 268435455),
-    "expiry_interval": (0, 4294967295),
-    "store_budget_bytes": (0, 1099511627776),
-    "compact_ratio": (0.05, 0.95),
-    "compact_min_bytes": (0, 1073741824),
-    "sys_interval": (0, 86400),
-    "backlog": (1, 4096),
-    "io_chunk": (256, 1048576),
-    "connect_timeout": (1, 3600),
-    "storage_type": ("ram", "disc", "disc_only"),
-    "log_level": ("debug", "info", "warning", "error"),
-}
-
-
+# Every key of a board profile the broker reads, its default and allowed
+# values, and the check of a profile live in lib/edgeconf.py: needed while a
+# broker is built, not while it runs. limits() and with_secrets() import it;
+# load_modules() drops it (its bytecode leaves the heap).
 def limits(profile=None):
-    """The effective limits: DEFAULTS overridden by a profile dict. Only
-    the keys the broker reads are kept (a profile also carries board facts
-    for the host tools, which reject unknown keys). A bad value raises
-    ValueError naming the key, the value and what is allowed."""
-    cfg = dict(DEFAULTS)
-    if profile:
-        for k in DEFAULTS:
-            if k in profile:
-                cfg[k] = _checked(k, profile[k])
-    if cfg["acl"]:
-        import edgeauth
+    """The effective limits: edgeconf.DEFAULTS overridden by a profile dict
+    (only the keys the broker reads). A bad value raises ValueError naming
+    the key, the value and what is allowed."""
+    import edgeconf
 
-        edgeauth.check_acl(cfg["acl"])
-    return cfg
+    return edgeconf.limits(profile)
 
 
 def with_secrets(profile, secrets):
-    """The profile with a secrets file's credentials merged in (the board's
-    /secrets.json, the host's --secrets FILE), so that passwords stay out of
-    profiles that are shared or committed: "users" adds to (and overrides)
-    the profile's users; "bridges": {"<name>": {"username", "password"}}
-    fills in the bridge of that name. A name the profile has no bridge for,
-    or a value that is not a string, raises ValueError naming the key."""
-    if not secrets:
-        return profile
-    if not isinstance(secrets, dict):
-        raise ValueError("secrets: %r is not an object" % (secrets,))
-    out = dict(profile or {})
-    users = secrets.get("users")
-    if users:
-        if not isinstance(users, dict):
-            raise ValueError("secrets users: %r is not an object" % (users,))
-        merged = dict(out.get("users") or {})
-        merged.update(users)
-        out["users"] = merged
-    creds = secrets.get("bridges")
-    if creds:
-        if not isinstance(creds, dict):
-            raise ValueError("secrets bridges: %r is not an object" % (creds,))
-        items = out.get("bridges")
-        items = [dict(b) if isinstance(b, dict) else b for b in items or ()]
-        for name in creds:
-            w = "secrets bridges.%s" % name
-            c = creds[name]
-            if not isinstance(c, dict):
-                raise ValueError("%s: %r is not an object" % (w, c))
-            found = None
-            for b in items:
-                if isinstance(b, dict) and b.get("name") == name:
-                    found = b
-            if found is None:
-                have = [b.get("name") for b in items if isinstance(b, dict)]
-                raise ValueError(
-                    "%s: the profile has no bridge named %r (it has %s)"
-                    % (w, name, ", ".join(repr(n) for n in have) or "none")
-                )
-            for k in c:
-                if k not in ("username", "password"):
-                    raise ValueError("%s.%s: unknown key (allowed username, password)" % (w, k))
-                if not isinstance(c[k], str):
-                    raise ValueError("%s.%s: %r is not a string" % (w, k, c[k]))
-                found[k] = c[k]
-        out["bridges"] = items
-    return out
+    """The profile with a secrets file's credentials merged in
+    (edgeconf.with_secrets: users, bridge usernames and passwords)."""
+    import edgeconf
 
-
-def _checked(k, v):
-    d = DEFAULTS[k]
-    r = _RANGES.get(k)
-    if isinstance(d, bool):
-        if not isinstance(v, bool):
-            raise ValueError("%s: %r is not true or false" % (k, v))
-    elif isinstance(d, (int, float)):
-        ok = isinstance(v, (int, float)) if isinstance(d, float) else isinstance(v, int)
-        if not ok or isinstance(v, bool) or not r[0] <= v <= r[1]:
-            raise ValueError("%s: %r (allowed %s..%s)" % (k, v, r[0], r[1]))
-    elif isinstance(d, dict):
-        if not isinstance(v, dict):
-            raise ValueError("%s: %r is not an object" % (k, v))
-    elif isinstance(d, list):
-        if not isinstance(v, list):
-            raise ValueError("%s: %r is not a list" % (k, v))
-    elif r is not None and v not in r:
-        raise ValueError("%s: %r (allowed %s)" % (k, v, ", ".join(r)))
-    elif not isinstance(v, str):
-        raise ValueError("%s: %r is not a string" % (k, v))
-    return v
+    return edgeconf.with_secrets(profile, secrets)
 
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -3996,14 +3847,18 @@ def _auth_needed(cfg):
 
 
 def load_modules(cfg):
-    """Imports what the profile needs beside this module (edgestore for a
-    flash store, edgeram for a RAM one, edgeauth when it authenticates:
-    _auth_needed, edgebridge for bridges), then collects: before anything
+    """Drops edgeconf (boot-only: the profile is checked) and imports what
+    the profile needs beside this module (edgestore for a flash store,
+    edgeram for a RAM one, edgeauth when it authenticates: _auth_needed,
+    edgebridge for bridges), then collects: before anything
     long-lived is allocated. Loading a .mpy makes temporary buffers; made
     after the broker's objects, they leave holes between them, and the
     heap has no block for a 3 KB index chunk with 20 KB free (measured on
     a 32-bit port: the esp32 profile then needed a 118 KB heap to start;
     with its modules imported first, 108 KB)."""
+    # the profile is checked: the checker's bytecode leaves the heap (it
+    # comes back, from flash, if limits() is called again)
+    sys.modules.pop("edgeconf", None)
     gc.collect()  # each module loads into one region, not around garbage
     if cfg["storage_type"] != "ram":
         import edgestore  # noqa: F401 (loaded now, used by open_store)

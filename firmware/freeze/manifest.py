@@ -14,9 +14,11 @@
 # states what frozen modules cost (their bytecode and strings stay in flash).
 include("$(PORT_DIR)/boards/manifest.py")
 
-# the broker (always), its flash or RAM store, passwords and ACLs, and its
-# bridge (imported only when the profile uses them: frozen, they cost flash, not heap)
+# the broker and its profile check (always), its flash or RAM store,
+# passwords and ACLs, and its bridge (imported only when the profile uses
+# them: frozen, they cost flash, not heap)
 module("edgebroker.py", base_path="../../lib")
+module("edgeconf.py", base_path="../../lib")
 module("edgestore.py", base_path="../../lib")
 module("edgeram.py", base_path="../../lib")
 module("edgeauth.py", base_path="../../lib")

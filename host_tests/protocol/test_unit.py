@@ -113,3 +113,37 @@ def test_passwords_and_acls_load_only_for_a_profile_that_uses_them(interpreter):
     assert lines[0] == "anonymous True False"
     assert lines[1] == "acl True True False True False"
     assert lines[2].startswith("refused acl[0].topic: 'a/#/b'")
+
+
+_CONF_PROBE = r"""
+import gc, sys
+sys.path.insert(0, LIB)
+import edgebroker as eb
+cfg = eb.limits(eb.with_secrets({"max_clients": 3}, {"users": {"ann": "x"}}))
+print("checked", "edgeconf" in sys.modules, cfg["max_clients"], sorted(cfg["users"]))
+eb.load_modules(cfg)
+print("dropped", "edgeconf" in sys.modules)
+try:
+    eb.limits({"max_clients": 0})
+except ValueError as x:
+    print("refused", x)
+"""
+
+
+@pytest.mark.parametrize("interpreter", ["cpython", "micropython"])
+def test_profile_check_is_dropped_once_the_modules_are_loaded(interpreter):
+    """lib/edgeconf.py (every key's default and allowed values, the profile
+    check, the secrets merge) is boot-only: limits() and with_secrets()
+    import it, load_modules() drops it (its bytecode is heap on a board),
+    and a later limits() brings it back and still refuses a bad value
+    naming the key."""
+    exe = sys.executable
+    if interpreter == "micropython":
+        exe = str(Path(sys.executable).parent / "micropython")
+    code = _CONF_PROBE.replace("LIB", repr(str(REPO / "lib")))
+    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "checked True 3 ['ann']"
+    assert lines[1] == "dropped False"
+    assert lines[2] == "refused max_clients: 0 (allowed 1..65535)"

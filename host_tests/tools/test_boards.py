@@ -6,7 +6,7 @@ limits, through the real `edgebroker config` command.
   the allowed range; all errors are listed, not just the first;
 - a profile that cannot fit the esp32 heap is refused;
 - `config show` fills in the defaults, which are the broker's own
-  (lib/edgebroker.py DEFAULTS) for every key the broker reads;
+  (lib/edgeconf.py DEFAULTS) for every key the broker reads;
 - `config apply` merges a patch and checks the result before writing;
 - docs/board-reference.md is what `config reference` generates now.
 """
@@ -48,10 +48,10 @@ def esp32():
 def broker_defaults():
     sys.path.insert(0, str(REPO / "lib"))
     try:
-        import edgebroker
+        import edgeconf
     finally:
         sys.path.pop(0)
-    return edgebroker.DEFAULTS
+    return edgeconf.DEFAULTS
 
 
 # ----------------------------------------------------------------- schema
@@ -67,7 +67,7 @@ def test_schema_is_draft_2020_12_and_documents_every_key():
 
 
 def test_schema_knows_every_key_the_broker_reads_with_its_default():
-    """Every key of lib/edgebroker.py DEFAULTS is in the schema with the same
+    """Every key of lib/edgeconf.py DEFAULTS is in the schema with the same
     default, so the tools never refuse a key the broker reads, nor show a
     default the broker does not use."""
     defaults = broker_defaults()

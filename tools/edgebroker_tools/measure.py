@@ -547,6 +547,8 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
         tmp = Path(tmpname)
         mpy_dir = tmp / "mpy"
         sources = [lib / "edgebroker.py"]
+        # the profile check: imported at boot, after edgebroker (imports nothing of it)
+        sources += [lib / f"{m}.py" for m in profiles.BOOT_MODULES]
         have_store = (lib / "edgestore.py").is_file()
         if have_store:
             sources.append(lib / "edgestore.py")

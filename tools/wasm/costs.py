@@ -117,6 +117,7 @@ ITOPIC = "inflight/topic/00/abcdefg"
 # with their figure's name: literals, so that no key is made between reads
 MODULES = (
     ("edgebroker", "import_mpy.edgebroker"),
+    ("edgeconf", "import_mpy.edgeconf"),  # boot-only: the profile check
     ("edgestore", "import_mpy.edgestore"),
     ("edgeram", "import_mpy.edgeram"),  # an Engine without a store makes a RamStore
     ("edgeauth", "import_mpy.edgeauth"),

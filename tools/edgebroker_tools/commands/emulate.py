@@ -251,7 +251,7 @@ def launcher_argv(
     # the modules the board gets (config check counts the same ones); each
     # compiled afresh, so none runs stale bytecode from the shared .mpy cache
     sources = []
-    for mod in profiles.modules_for(cfg):
+    for mod in profiles.shipped_modules(cfg):
         src = lib / f"{mod}.py"
         if mod == "edgestore" and not src.is_file():
             notes.append(
