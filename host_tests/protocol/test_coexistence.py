@@ -125,8 +125,7 @@ def app_factory(interp, tmp_path):
 
 
 def test_user_task_keeps_10ms_timing_under_qos1_traffic(app_factory):
-    """esp32 profile (max_clients 2: the control client subscribes, one
-    publisher): QoS 1 traffic for about two seconds, every message
+    """esp32 profile (the control client subscribes, one publisher): QoS 1 traffic for about two seconds, every message
     acknowledged and delivered; meanwhile the user's 10 ms task wakes on
     and never more than 100 ms late."""
     app = app_factory("timer")
