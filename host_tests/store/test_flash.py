@@ -153,7 +153,7 @@ def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path
         files = [label.split()[1] for _pct, label in bars
                  if label.startswith(("copy ", "same "))]
         assert sorted(files) == sorted(["lib/edgebroker.mpy", "lib/edgeconf.mpy",
-                                        "lib/edgestore.mpy", "lib/gateway.mpy",
+                                        "lib/edgestore.mpy", "lib/edgeopen.mpy", "lib/gateway.mpy",
                                         "lib/userapp.mpy", "boot.py", "main.py", "board.json",
                                         "secrets.json"]), bars
         pcts = [pct for pct, _label in bars]

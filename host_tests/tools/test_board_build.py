@@ -164,7 +164,7 @@ def test_board_build_serves_retained_on_flash_under_micropython(tmp_path):
     from the board build's .mpy: a retained QoS 1 message reaches a paho
     subscriber, and the flash store holds it."""
     board = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "b", board=True)
-    for mod in ("edgeconf", "edgestore"):
+    for mod in ("edgeconf", "edgestore", "edgeopen"):
         runner.compile_mpy(REPO / "lib" / (mod + ".py"), tmp_path / "b", board=True)
     port = free_port()
     data = tmp_path / "data"
@@ -191,7 +191,7 @@ def test_board_build_runs_the_esp32_full_load_in_its_heap(tmp_path):
     from test_emulate import effective, full_load
 
     mpy = tmp_path / "b"
-    for mod in ("edgebroker", "edgeconf", "edgestore"):
+    for mod in ("edgebroker", "edgeconf", "edgestore", "edgeopen"):
         runner.compile_mpy(REPO / "lib" / (mod + ".py"), mpy, board=True)
     cfg = effective("esp32")
     cfg["sys_interval"] = 1  # the heap figures at the peak, for the report

@@ -130,9 +130,9 @@ broker.shutdown()
 """
 
 #: Imports one module list from a directory and prints the cost of each.
-#: Modules that import edgebroker (measured after it, their min heap beside it),
-#: in the order a profile loads them (edgebroker.load_modules).
-DEPENDENT_MODULES: Final = ("edgeram", "edgeauth", "edgebridge")
+#: Modules that import edgebroker or edgestore (measured after them, their
+#: min heap beside them), in the order a profile loads them.
+DEPENDENT_MODULES: Final = ("edgeopen", "edgeram", "edgeauth", "edgebridge")
 
 IMPORT_SCRIPT: Final = r"""
 import gc
@@ -548,11 +548,11 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
         mpy_dir = tmp / "mpy"
         sources = [lib / "edgebroker.py"]
         # the profile check: imported at boot, after edgebroker (imports nothing of it)
-        sources += [lib / f"{m}.py" for m in profiles.BOOT_MODULES]
+        sources.append(lib / "edgeconf.py")
         have_store = (lib / "edgestore.py").is_file()
         if have_store:
             sources.append(lib / "edgestore.py")
-        # these import edgebroker: measured after it
+        # these import edgebroker (edgeopen: edgestore): measured after it
         for dependent in DEPENDENT_MODULES:
             if (lib / f"{dependent}.py").is_file():
                 sources.append(lib / f"{dependent}.py")

@@ -36,7 +36,15 @@ from typing import Any, Final
 from edgebroker_tools import runner
 
 DEFAULT_OUT: Final = Path("boards") / "memory_costs.json"
-MODULES: Final = ("edgebroker", "edgeconf", "edgestore", "edgeram", "edgeauth", "edgebridge")
+MODULES: Final = (
+    "edgebroker",
+    "edgeconf",
+    "edgestore",
+    "edgeopen",
+    "edgeram",
+    "edgeauth",
+    "edgebridge",
+)
 WASM_PACKAGE: Final = "@micropython/micropython-webassembly-pyscript"
 _COSTS_RE: Final = re.compile(r"^COSTS (\{.*\})$", re.MULTILINE)
 

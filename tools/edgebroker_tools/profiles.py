@@ -402,8 +402,9 @@ MODEL_TEXT: Final = """\
            (+ lib/edgebridge.py when bridges is not empty)
            .mpy from the filesystem (bytecode in RAM) when romfs is false,
            the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true
-           (not lib/edgeconf.py, the profile check: imported while the broker is
-           built and dropped before it serves; counted in the boot peak, start_heap)
+           (not lib/edgeconf.py, the profile check, nor lib/edgeopen.py, the flash
+           store's open: imported while the broker is built and dropped before it
+           serves; counted in the boot peak, start_heap)
     code <= code_budget_bytes
     fs_reserve_bytes >= the .mpy files' size when romfs is false (they live on the filesystem)
 
@@ -420,9 +421,11 @@ grows), and every other heap cost is scaled by the 32-bit/64-bit ratio of
 its kind, measured on the npm
 WebAssembly MicroPython (32-bit) and the unix port with the same
 in-process script (`costs_32bit`, edgebroker_tools.measure32: about x0.77
-for code, x0.5-0.6 for clients, subscriptions and messages, x1.0 for the
-disc_only index), or by 278.9/429.8 (x0.649) for a figure of no measured
-kind; file sizes are not scaled. `edgebroker emulate` runs the 64-bit port
+for code, x0.5-0.6 for clients, subscriptions and messages; an import
+figure by the ratio of all the modules' imports together), or by
+278.9/429.8 (x0.649) for a figure of no measured kind; file sizes and the
+disc_only index entry (an array('I') word, 4 bytes on every port) are not
+scaled. `edgebroker emulate` runs the 64-bit port
 with heap_bytes scaled the other way (x1.54) and tests it.
 
     message   = message_overhead + typical_payload_bytes + 2 x typical_topic_bytes
@@ -507,6 +510,12 @@ def _cost(costs: Mapping[str, Any], *path: str) -> int:
 WORD4_PER_WORD8: Final = 278.9 / 429.8
 #: Cost entries that are file sizes, not heap: never scaled.
 _FILE_SIZES: Final = ("mpy_file_bytes", "image_bytes")
+#: Figures that are the same on every port by construction, never scaled:
+#: the disc_only index entry is an array('I') word, 4 bytes on 32 and 64
+#: bits (4.00 B a message on a 32-bit unix port between stores of 256 and
+#: 5,000, docs/boards.md). The WebAssembly port's reading of it (4.0-4.7
+#: from run to run: its collector keeps some garbage) is recorded, not used.
+_WORD_SIZE_FREE: Final = ("retained.disc_only.per_message",)
 #: Which measured 32-bit ratio (memory_costs.json "costs_32bit", made by
 #: edgebroker_tools.measure32 on the npm WebAssembly MicroPython) scales a
 #: 64-bit figure: its own kind where measured (import_mpy.edgebroker,
@@ -525,10 +534,22 @@ _IMPORT_FIGURES: Final = ("import_py", "import_romfs", "min_heap_import_mpy", "m
 
 
 def ratio_32(costs: Mapping[str, Any], path: str) -> float:
-    """The measured 32-bit/64-bit ratio for a figure path, or WORD4_PER_WORD8."""
-    head, _, module = path.partition(".")
-    kind = f"import_mpy.{module}" if head in _IMPORT_FIGURES else _ALIKE.get(path, path)
-    ratio = costs.get("costs_32bit", {}).get("figures", {}).get(kind, {}).get("ratio")
+    """The measured 32-bit/64-bit ratio for a figure path, or WORD4_PER_WORD8.
+    An import figure of any module takes the ratio of all the modules'
+    imports together: the qstr pool grows by doubling, and each growth falls
+    to whichever module imports then, on each port at another module
+    (a module's own ratio was seen anywhere from 0.36 to 1.1; the sum's
+    stays at 0.75-0.76)."""
+    figures = costs.get("costs_32bit", {}).get("figures", {})
+    head = path.partition(".")[0]
+    if head in _IMPORT_FIGURES:
+        b32 = b64 = 0.0
+        for k, v in figures.items():
+            if k.startswith("import_mpy.") and isinstance(v, dict):
+                b32 += float(v.get("bytes_32", 0))
+                b64 += float(v.get("bytes_64", 0))
+        return b32 / b64 if b32 > 0 and b64 > 0 else WORD4_PER_WORD8
+    ratio = figures.get(_ALIKE.get(path, path), {}).get("ratio")
     return float(ratio) if isinstance(ratio, int | float) and ratio > 0 else WORD4_PER_WORD8
 
 
@@ -551,6 +572,8 @@ def for_word_size(costs: Mapping[str, Any], cfg: Mapping[str, Any]) -> Mapping[s
                 for k, v in node.items()
             }
         if isinstance(node, int) and not isinstance(node, bool):
+            if path in _WORD_SIZE_FREE:
+                return node
             direct = (
                 figures.get(path, {}).get("bytes_32") if path.startswith("import_mpy.") else None
             )
@@ -571,18 +594,17 @@ def needs_auth(cfg: Mapping[str, Any]) -> bool:
     return bool(cfg.get("users")) or bool(cfg.get("acl")) or cfg.get("allow_anonymous") is False
 
 
-#: Modules a board imports while the broker is built and drops before it
-#: serves (edgebroker.load_modules drops edgeconf, the profile checker):
-#: shipped and counted in the boot peak (start_heap), not in the code the
-#: running broker keeps (heap_breakdown's code line).
-BOOT_MODULES: Final = ("edgeconf",)
-
-
 def shipped_modules(cfg: Mapping[str, Any]) -> list[str]:
     """Every module the board gets for this profile, in import order:
-    the boot-only ones right after edgebroker, as they load."""
+    modules_for() and the boot-only ones, which a board imports while the
+    broker is built and drops before it serves: edgeconf, the profile check
+    (edgebroker.load_modules drops it), right after edgebroker, and for a
+    flash store edgeopen, its file reader and open (FlashStore._open drops
+    it), last. They are counted in the boot peak (start_heap) and the
+    files, not in the code the running broker keeps (heap_breakdown)."""
     mods = modules_for(cfg)
-    return [mods[0], *BOOT_MODULES, *mods[1:]]
+    out = [mods[0], "edgeconf", *mods[1:]]
+    return [*out, "edgeopen"] if "edgestore" in mods else out
 
 
 def modules_for(cfg: Mapping[str, Any]) -> list[str]:
@@ -723,9 +745,11 @@ def start_heap(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> int:
         peak = max(peak, kept + _cost(costs, "min_heap_import_mpy", m))
         kept += _cost(costs, "import_mpy", m)
         if m == "edgebroker":
-            # the profile is checked (BOOT_MODULES), then dropped
-            for b in BOOT_MODULES:
-                peak = max(peak, kept + _cost(costs, "min_heap_import_mpy", b))
+            # the profile is checked (edgeconf), then dropped
+            peak = max(peak, kept + _cost(costs, "min_heap_import_mpy", "edgeconf"))
+    if "edgestore" in mods:
+        # the flash store opens (edgeopen) with its index made, then drops it
+        peak = max(peak, kept + idle + _cost(costs, "min_heap_import_mpy", "edgeopen"))
     return max(peak, kept + idle)
 
 

@@ -129,7 +129,7 @@ def load_target(arg: str, overrides: Sequence[str] = (), *, lines: bool = False)
 #: profiles.modules_for): code is heap on a board without ROMFS, so what a
 #: profile does not use is not shipped. A key the profile leaves out has
 #: the broker's default (storage_type "ram", no bridges).
-OPTIONAL_MODULES: Final = ("edgestore", "edgeram", "edgeauth", "edgebridge")
+OPTIONAL_MODULES: Final = ("edgestore", "edgeopen", "edgeram", "edgeauth", "edgebridge")
 
 
 def _wanted(stem: str, profile: Mapping[str, Any] | None) -> bool:
@@ -138,7 +138,7 @@ def _wanted(stem: str, profile: Mapping[str, Any] | None) -> bool:
     cfg = dict(profile or {})
     cfg.setdefault("storage_type", "ram")
     cfg.setdefault("bridges", [])
-    return stem in profiles.modules_for(cfg)
+    return stem in profiles.shipped_modules(cfg)
 
 
 def sources(profile: Mapping[str, Any] | None = None) -> list[Source]:

@@ -5,7 +5,7 @@
 
 inspect() used to live in lib/edgestore.py, a second copy of the open logic
 shipped to every board; it is host-only, so it lives here and makes every
-decision through edgestore.replay(), the generator FlashStore's open uses
+decision through replay() (lib/edgeopen.py), the generator FlashStore's open uses
 (torn tail, corrupt records, resynchronisation after a bad length, unknown
 record types, the runtime clock). `edgebroker store`, the fleet pipeline and
 the tests read store files through it.
@@ -25,6 +25,13 @@ from edgebroker_tools import runner
 from edgebroker_tools.commands import CommandError
 
 Report = dict[str, Any]
+
+
+def load_edgeopen() -> ModuleType:
+    """lib/edgeopen.py, the store's file reader (replay(), scan(),
+    header_kind()), from where edgestore came: load_edgestore() first."""
+    load_edgestore()
+    return importlib.import_module("edgeopen")
 
 
 def load_edgestore() -> ModuleType:
@@ -70,6 +77,7 @@ def inspect(
     but never changes the file. Raises OSError when the file cannot be read.
     With `data`, the file's bytes are given (a warehouse file read through
     Spark) and `path` only names it."""
+    eo = load_edgeopen()
     rep: Report = {
         "path": path,
         "status": "ok",
@@ -95,7 +103,7 @@ def inspect(
         f.seek(0)
         head = f.read(8)
         rep["file_bytes"] = size
-        kind = str(es.header_kind(head, size))
+        kind = str(eo.header_kind(head, size))
         rep["header"] = {
             "magic": binascii.hexlify(head[:4]).decode("ascii"),
             "version": head[4] if len(head) > 4 else None,
@@ -112,7 +120,7 @@ def inspect(
         wall_end = 0
         names = {es.T_PUT: "PUT", es.T_DEL: "DEL", es.T_CLOCK: "CLOCK"}
         end = size
-        for ev_kind, off, n, x in es.replay(f, size, True):
+        for ev_kind, off, n, x in eo.replay(f, size, True):
             if ev_kind == es.EV_TORN:
                 end = off
                 break

@@ -235,14 +235,15 @@ def read_store(data: bytes, meta: CollectionMeta, keep_damaged: bool = False) ->
     """The live messages of a flash store file's bytes, as the broker would load them.
 
     store_report.inspect() makes the broker's decisions through
-    edgestore.replay() (torn tail, corrupt records, expiry at the
+    edgeopen.replay() (torn tail, corrupt records, expiry at the
     collection time); each live record is then read
-    with edgestore.scan() and decoded with edgestore.decode_put(). A store
+    with edgeopen.scan() and decoded with edgestore.decode_put(). A store
     that the broker would refuse (bad magic, future version) is skipped; one
     with a torn tail or a corrupt record too, unless keep_damaged, which
     takes what the broker would keep.
     """
     es = load_edgestore()
+    eo = importlib.import_module("edgeopen")  # its reader, beside it
     now = meta.collected_at.timestamp()
     bfs = _BytesFs(data)
     try:
@@ -264,7 +265,7 @@ def read_store(data: bytes, meta: CollectionMeta, keep_damaged: bool = False) ->
         size = f.seek(0, 2)
         for entry in cast(list[dict[str, Any]], report["live"]):
             off = cast(int, entry["offset"])
-            _pos, _rt, data, st = next(iter(es.scan(f, size, off)))
+            _pos, _rt, data, st = next(iter(eo.scan(f, size, off)))
             decoded = es.decode_put(data, len(data) - 4) if st == 0 and data else None
             if decoded is None:
                 raise DecodeError(f"store record at offset {off} changed while reading")

@@ -129,11 +129,13 @@ def edgestore_path() -> Path:
 
 
 def ship_code(spark: SparkSession) -> None:
-    """Make decode.ingest() and lib/edgestore.py importable on every executor."""
+    """Make decode.ingest() and lib/edgestore.py (with its reader,
+    lib/edgeopen.py) importable on every executor."""
     sc = spark.sparkContext
     app = str(sc.applicationId)
     if app in _shipped:
         return
     sc.addPyFile(str(edgestore_path()))
+    sc.addPyFile(str(edgestore_path().with_name("edgeopen.py")))
     sc.addPyFile(str(_package_zip()))
     _shipped.add(app)
