@@ -774,23 +774,31 @@ def test_reconnect_resends_unacknowledged_publish_with_dup_and_pubrel_MQTT_4_4_0
     assert got[1] == (0x62, u16(m2.pid))                     # PUBREL again, same id
 
 
-def test_reconnect_resend_is_paced_by_max_outbuf_in_order_MQTT_4_4_0_1_and_4_6():
-    # a session back with more in flight than its send buffer takes gets
-    # them again as the buffer drains (never more than max_outbuf plus one
-    # packet waiting), each with DUP and its packet id, in the order first
-    # sent, and a message published meanwhile only after them (4.6)
+def _resumed_with_inflight(n, pad):
+    # max_outbuf 256: n QoS 1 messages of pad bytes delivered one by one and
+    # never acknowledged, then the client reconnects to its session.
+    # (engine, publisher, the first copies, the resumed peer)
     eng = mk(max_outbuf=256, max_inflight=8)
     s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
     s.sub("r", 1)
     p = Peer(eng, "p")
     first = []
-    for i in range(6):
-        p.send(publish("r", b"%d" % i + b"." * 150, 1, i + 1))
+    for i in range(n):
+        p.send(publish("r", b"%d" % i + b"." * pad, 1, i + 1))
         first += s.msgs()
-    assert [m.payload[:1] for m in first] == [b"0", b"1", b"2", b"3", b"4", b"5"]
+    assert [m.payload[:1] for m in first] == [b"%d" % i for i in range(n)]
     eng.lost(s.c, T0 + 1)
     s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60), now=T0 + 2)
     assert s.connack[0] == 1
+    return eng, p, first, s
+
+
+def test_reconnect_resend_is_paced_by_max_outbuf_in_order_MQTT_4_4_0_1_and_4_6():
+    # a session back with more in flight than its send buffer takes gets
+    # them again as the buffer drains (never more than max_outbuf plus one
+    # packet waiting), each with DUP and its packet id, in the order first
+    # sent, and a message published meanwhile only after them (4.6)
+    eng, p, first, s = _resumed_with_inflight(6, 150)
     c = s.c
     assert c.out_len() + sum(len(b) + 2 for _, b in s.held) <= 256 + 200
     p.send(publish("r", b"new", 1, 7))                       # during the resend
@@ -821,17 +829,7 @@ def test_reconnect_resend_is_paced_by_max_outbuf_in_order_MQTT_4_4_0_1_and_4_6()
 def test_reconnect_ack_before_its_resend_releases_it_MQTT_4_4_0_1():
     # a PUBACK for an entry not resent yet (its first copy arrived before
     # the reconnect) ends it: it is not sent again, the rest still are
-    eng = mk(max_outbuf=256, max_inflight=8)
-    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
-    s.sub("r", 1)
-    p = Peer(eng, "p")
-    first = []
-    for i in range(4):
-        p.send(publish("r", b"%d" % i + b"." * 200, 1, i + 1))
-        first += s.msgs()
-    assert len(first) == 4
-    eng.lost(s.c, T0 + 1)
-    s = Peer(eng, "s", clean=False, props=p_u32(0x11, 60), now=T0 + 2)
+    eng, p, first, s = _resumed_with_inflight(4, 200)
     c = s.c
     got = [Msg(f, b, 5) for f, b in s.held]                   # resent with the CONNACK
     s.held = []

@@ -103,13 +103,8 @@ def test_store_open_code_is_dropped_once_the_store_is_open(interpreter, tmp_path
     FlashStore imports it to open its file and drops it again (its bytecode
     is heap on a board); a second open brings it back and reads what the
     first wrote."""
-    exe = sys.executable
-    if interpreter == "micropython":
-        exe = str(Path(sys.executable).parent / "micropython")
-    code = _OPEN_PROBE.replace("LIB", repr(str(REPO / "lib"))).replace("DIR", repr(str(tmp_path)))
-    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["open False", "reopened False 1 b'v'"]
+    lines = _probe(interpreter, _OPEN_PROBE.replace("DIR", repr(str(tmp_path))))
+    assert lines == ["open False", "reopened False 1 b'v'"]
 
 
 def test_ram_store_reads_messages_by_the_brokers_slot_names():
@@ -143,18 +138,24 @@ except ValueError as x:
 """
 
 
+def _probe(interpreter, code):
+    """A probe script's output lines, run by CPython or the MicroPython unix
+    port, with LIB in it replaced by the lib/ directory."""
+    exe = sys.executable
+    if interpreter == "micropython":
+        exe = str(Path(sys.executable).parent / "micropython")
+    code = code.replace("LIB", repr(str(REPO / "lib")))
+    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
 @pytest.mark.parametrize("interpreter", ["cpython", "micropython"])
 def test_passwords_and_acls_load_only_for_a_profile_that_uses_them(interpreter):
     """lib/edgeauth.py: an Engine of an anonymous profile without an acl
     never imports it (its code is heap on a board); one with an acl does,
     and the rules hold; a bad rule is still refused naming its key."""
-    exe = sys.executable
-    if interpreter == "micropython":
-        exe = str(Path(sys.executable).parent / "micropython")
-    code = _AUTH_PROBE.replace("LIB", repr(str(REPO / "lib")))
-    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    lines = _probe(interpreter, _AUTH_PROBE)
     assert lines[0] == "anonymous True False"
     assert lines[1] == "acl True True False True False"
     assert lines[2].startswith("refused acl[0].topic: 'a/#/b'")
@@ -182,13 +183,7 @@ def test_profile_check_is_dropped_once_the_modules_are_loaded(interpreter):
     import it, load_modules() drops it (its bytecode is heap on a board),
     and a later limits() brings it back and still refuses a bad value
     naming the key."""
-    exe = sys.executable
-    if interpreter == "micropython":
-        exe = str(Path(sys.executable).parent / "micropython")
-    code = _CONF_PROBE.replace("LIB", repr(str(REPO / "lib")))
-    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    lines = _probe(interpreter, _CONF_PROBE)
     assert lines[0] == "checked True 3 ['ann']"
     assert lines[1] == "dropped False"
     assert lines[2] == "refused max_clients: 0 (allowed 1..65535)"
