@@ -188,6 +188,8 @@ try:
     from gc import collect as _collect  # a calm heap while the index grows
 
     from micropython import const
+
+    _BOOT_ONLY = sys.modules  # edgeopen leaves the heap once a store is open
 except ImportError:  # CPython
 
     def const(x):
@@ -195,6 +197,11 @@ except ImportError:  # CPython
 
     def _collect():
         pass
+
+    # edgeopen stays: importing it again for every open would cost more
+    # time than its memory is worth on a host (tests open stores by the
+    # thousand)
+    _BOOT_ONLY = {}
 
 
 _crc32 = binascii.crc32
@@ -1500,14 +1507,14 @@ class FlashStore:
     # ------------------------------------------------------------ opening
     def _open(self):
         # recover and load the file: lib/edgeopen.py, boot-only code,
-        # imported for this and dropped again (its bytecode is not heap
-        # while the broker runs)
+        # imported for this and, on MicroPython, dropped again (its
+        # bytecode is not heap while the broker runs)
         import edgeopen
 
         try:
             edgeopen._open(self)
         finally:
-            sys.modules.pop("edgeopen", None)
+            _BOOT_ONLY.pop("edgeopen", None)
 
     def _reset(self):
         d = self._dir
