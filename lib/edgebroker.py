@@ -1475,14 +1475,10 @@ class Engine:
         # Checked here, not when the socket takes bytes: the socket of a
         # client that sends and never reads never becomes writable.
         if len(o) + len(data) > 2 * self.max_outbuf + self.max_packet:
-            self.cut_off(conn)
+            self.refuse("slow_reader", "client %s not reading, closed", conn.cid)
+            self.close(conn, True)
             return
         o.extend(data)
-
-    def cut_off(self, conn):
-        # a client that reads neither its messages nor its acks and pings
-        self.refuse("slow_reader", "client %s not reading, closed", conn.cid)
-        self.close(conn, True)
 
     def send_ack(self, conn, data):
         # PUBACK/PUBREC leave in the order the PUBLISHes came (4.6); once one
@@ -2539,10 +2535,10 @@ class Engine:
                     + (bytes((_RC_PID_NOT_FOUND,)) if conn.ver == 5 else b""),
                 )
             return
-        first = len(inflight) - conn.resend
-        if k >= first:
+        if conn.resend and k >= len(inflight) - conn.resend:
             # acknowledged before its resend (it arrived before the client
             # reconnected): out of the entries still to resend, in their place
+            first = len(inflight) - conn.resend
             conn.resend -= 1
             if k != first:
                 inflight.insert(first, inflight.pop(k))

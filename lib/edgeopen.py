@@ -12,7 +12,6 @@
 from struct import unpack_from
 
 from edgestore import (
-    _KNOWN,
     EV_BAD,
     EV_TORN,
     F_EXP,
@@ -39,6 +38,8 @@ _BAD = const(1)
 _TORN = const(2)
 _CRC = const(3)
 _CHUNK = const(512)
+# where a record may start, by its type byte (_resync)
+_KNOWN = (bytes((T_PUT,)), bytes((T_DEL,)), bytes((T_CLOCK,)))
 # message slots: edgebroker's _M_* (a test pins them)
 _M_TOPIC = const(0)
 _M_TB = const(1)

@@ -368,7 +368,6 @@ _TORN = const(2)
 _CRC = const(3)  # _check(): a whole record with a bad CRC
 _PAST = const(4)  # _check(): its length runs past the end
 _CHUNK = const(512)  # the largest read made before a CRC vouches for a length
-_KNOWN = (b"P", b"D", b"C")
 
 _GROUPS = const(256)  # index directory groups (capacities below _BIG)
 _BIG = const(16384)  # a capacity from here on (or 0) gets one group, wide entries
