@@ -212,6 +212,39 @@ def test_unacked_qos1_resent_with_dup_on_resume_MQTT_4_4_0_1(broker, version):
 
 
 @VERSIONS
+def test_resend_on_resume_paced_in_order_before_new_messages_MQTT_4_4_0_1(broker_factory, version):
+    """More unacknowledged QoS 1 messages than the send buffer holds
+    (max_outbuf 256, 6 x 200 bytes): on resume every one comes again, with
+    DUP=1 and its Packet Identifier, in the order first sent (the broker
+    resends them as its buffer drains), and a message published while the
+    client was away only after them (4.6)."""
+    b = broker_factory(max_outbuf=256)
+    requires_edgebroker(b)
+    cid = "pace-%d" % version
+    c = persistent(b.port, cid, version)
+    assert c.subscribe([("pace/t", 1)]) == [1]
+    payloads = [b"%d" % i + b"." * 200 for i in range(6)]
+    publish_acked(b.port, "pace/t", payloads)
+    first = [c.expect_publish() for _ in payloads]
+    assert [m.payload for m in first] == payloads
+    c.close()  # none acknowledged
+    publish_acked(b.port, "pace/t", [b"new"])
+    c = persistent(b.port, cid, version)
+    assert c.connack.session_present
+    again = [c.expect_publish() for _ in payloads]
+    assert [(m.payload, m.pid, bool(m.dup)) for m in again] == [
+        (m.payload, m.pid, True) for m in first
+    ]
+    for m in again:
+        c.send(puback(m.pid, version))
+    new = c.expect_publish()
+    assert new.payload == b"new" and not new.dup
+    c.send(puback(new.pid, version))
+    assert c.no_publish(0.3)
+    c.disconnect()
+
+
+@VERSIONS
 def test_unacked_qos2_publish_and_pubrel_resent_on_resume_MQTT_4_4_0_1(broker, version):
     """QoS 2: an unacknowledged PUBLISH is resent with DUP=1; a PUBLISH
     that was PUBRECed but whose PUBREL was not completed gets its PUBREL
