@@ -1,18 +1,24 @@
 # gateway: what an edgebroker board runs after boot (main.py calls main()).
 #
-# Compiled to /lib/gateway.mpy by `edgebroker build`. The only module, with
-# boot.py and main.py, that imports `machine` and `network`: the broker
-# (lib/edgebroker.py) knows nothing about the board it runs on.
+# Compiled to /lib/gateway.mpy by `edgebroker build`. The only modules, with
+# gwboot.py, boot.py and main.py, that import `machine` and `network`: the
+# broker (lib/edgebroker.py) knows nothing about the board it runs on.
+#
+# This module stays in the heap while the broker serves, so it holds only
+# what serving needs. The boot steps (profile, safe mode check, secrets,
+# the first Wi-Fi connect or the access point, starting the broker) are
+# firmware/gwboot.py's: main() imports it, runs it, and drops it before the
+# broker serves (its bytecode is heap on a board without ROMFS).
 #
 # Sections:
 #   1. files and console     /board.json, /secrets.json, status lines
 #   2. clock                 wallclock() in Unix seconds, NTP
-#   3. Wi-Fi                 station with bounded exponential backoff, or access point
+#   3. Wi-Fi                 background station reconnects with bounded backoff
 #   4. watchdog              machine.WDT fed from the housekeeping task
 #   5. safe mode             a crash counter that breaks boot loops
 #   6. the gateway           run the broker and the app; main() wraps it all
 #
-# Boot sequence (main()):
+# Boot sequence (main(); the steps up to broker.listen are gwboot's):
 #   profile -> safe mode check -> crash counter + 1 -> secrets -> watchdog ->
 #   Wi-Fi (or access point) -> clock -> retained store -> broker.listen ->
 #   one asyncio loop (asyncio.run) with three tasks:
@@ -63,7 +69,6 @@
 
 import gc
 import io
-import json
 import os
 import sys
 import time
@@ -72,7 +77,7 @@ import machine
 import network
 
 try:  # only the type checker has typing; annotations are never evaluated
-    from typing import TYPE_CHECKING, Any, Callable
+    from typing import TYPE_CHECKING, Any
 except ImportError:
     TYPE_CHECKING = False
 if TYPE_CHECKING:  # the stubs' type of time.ticks_ms() values
@@ -96,11 +101,8 @@ WATCHDOG_MS = 8000  # default of the profile's watchdog_ms (0 = off)
 PORT = 1883  # default of the profile's port
 BIND = "0.0.0.0"  # default of the profile's bind: every interface
 
-WIFI_ATTEMPTS = 6  # station attempts at boot before the broker starts anyway
 WIFI_BASE_MS = 1000  # first backoff delay; doubles after each failure
 WIFI_MAX_MS = 30000  # backoff cap (boot and background)
-WIFI_TIMEOUT_MS = 15000  # one attempt: association + DHCP
-WIFI_POLL_MS = 100
 
 NTP_RETRY_S = 60  # first NTP retry after a failure; doubles
 NTP_RETRY_MAX_S = 3600
@@ -111,19 +113,6 @@ MIN_CLOCK_YEAR = 2024  # an RTC showing an earlier year was never set
 def say(text: str) -> None:
     """One status line on the console: `edgebroker: <text>`."""
     print("edgebroker: " + text)
-
-
-def read_json(path: str) -> "Any":
-    """The JSON value in path; None if the file is missing.
-    Raises ValueError if it is not JSON."""
-    try:
-        f = open(path)
-    except OSError:
-        return None
-    try:
-        return json.load(f)
-    finally:
-        f.close()
 
 
 def read_int(path: str) -> int:
@@ -225,73 +214,6 @@ def backoff_ms(failures: int, base_ms: int = WIFI_BASE_MS, max_ms: int = WIFI_MA
     return d if d < max_ms else max_ms
 
 
-def _status_names() -> "dict[int, str]":
-    names = {}
-    for attr, text in (
-        ("STAT_WRONG_PASSWORD", "wrong password"),
-        ("STAT_NO_AP_FOUND", "no access point found"),
-        ("STAT_CONNECT_FAIL", "connection failed"),
-    ):
-        code = getattr(network, attr, None)
-        if code is not None:
-            names[code] = text
-    return names
-
-
-def wifi_attempt(
-    wlan: "network.WLAN", ssid: str, key: str, timeout_ms: int, wait: "Callable[[int], None]"
-) -> "str | None":
-    """One station attempt: None when connected, else why it failed."""
-    try:
-        wlan.disconnect()
-    except OSError:
-        pass
-    wlan.connect(ssid, key)
-    failed = _status_names()
-    waited = 0
-    while waited < timeout_ms:
-        if wlan.isconnected():
-            return None
-        st = wlan.status()
-        if st in failed:
-            return failed[st]
-        wait(WIFI_POLL_MS)
-        waited += WIFI_POLL_MS
-    return "no connection after %d ms" % timeout_ms
-
-
-def connect_wifi(
-    wlan: "network.WLAN",
-    ssid: str,
-    key: str,
-    wait: "Callable[[int], None]",
-    attempts: int = WIFI_ATTEMPTS,
-    base_ms: int = WIFI_BASE_MS,
-    max_ms: int = WIFI_MAX_MS,
-    timeout_ms: int = WIFI_TIMEOUT_MS,
-) -> bool:
-    """Bounded station connect: up to `attempts` tries with exponential
-    backoff between them. True once connected."""
-    wlan.active(True)
-    for n in range(1, attempts + 1):
-        say("wifi connecting to %r (attempt %d of %d)" % (ssid, n, attempts))
-        why = wifi_attempt(wlan, ssid, key, timeout_ms, wait)
-        if why is None:
-            say("wifi connected " + wlan.ifconfig()[0])
-            return True
-        if n < attempts:
-            d = backoff_ms(n, base_ms, max_ms)
-            say("wifi attempt %d failed (%s), retrying in %d ms" % (n, why, d))
-            wait(d)
-        else:
-            say("wifi attempt %d failed (%s)" % (n, why))
-    say(
-        "wifi not connected after %d attempts: starting the broker anyway, "
-        "reconnecting in the background" % attempts
-    )
-    return False
-
-
 class Reconnector:
     """Background station reconnects from the housekeeping task, never blocking: connect()
     starts an association; the next try waits an exponentially growing
@@ -336,29 +258,6 @@ class Reconnector:
             wlan.connect(self.ssid, self.key)
         except OSError as e:
             say("wifi reconnect failed (%r)" % (e,))
-
-
-def wlan_interface(name: str) -> int:
-    """network.WLAN.IF_STA / IF_AP (MicroPython 1.24+), else the older
-    network.STA_IF / AP_IF."""
-    n = getattr(network.WLAN, "IF_" + name, None)
-    if n is None:
-        n = getattr(network, name + "_IF")
-    return int(n)
-
-
-def start_ap(ssid: str, key: str) -> str:
-    """Access point with WPA2 (key of 8..63 characters). Returns its address."""
-    ap = network.WLAN(wlan_interface("AP"))
-    sec = getattr(network.WLAN, "SEC_WPA2", getattr(network, "AUTH_WPA2_PSK", None))
-    if sec is None:
-        ap.config(ssid=ssid, key=key)
-    else:
-        ap.config(ssid=ssid, key=key, security=sec)
-    ap.active(True)
-    ip: str = ap.ifconfig()[0]
-    say("access point %r up, address %s" % (ssid, ip))
-    return ip
 
 
 # ---------------------------------------------------------------- 4. watchdog
@@ -418,24 +317,6 @@ class Watchdog:
 
 
 # ---------------------------------------------------------------- 5. safe mode
-def safe_mode_reason(limit: int, clear_after_s: int = CLEAR_AFTER_S) -> "str | None":
-    """Why the broker must not start, or None."""
-    if exists(SAFE_FLAG_PATH):
-        try:
-            with open(SAFE_FLAG_PATH) as f:
-                why = f.read().strip()
-        except OSError:
-            why = ""
-        return "%s present%s" % (SAFE_FLAG_PATH, (": " + why) if why else "")
-    n = read_int(CRASHES_PATH)
-    if limit > 0 and n >= limit:
-        return (
-            "%d boots in a row ended before the broker had served %d s, or their "
-            "app.py crashed in that time (safe_mode_crashes %d)" % (n, clear_after_s, limit)
-        )
-    return None
-
-
 def clear() -> None:
     """Leave safe mode: clear the crash counter and the flag. Reset next."""
     remove(CRASHES_PATH)
@@ -450,23 +331,6 @@ def record_crash(e: BaseException) -> None:
         write_text(LAST_CRASH_PATH, text[-2048:])
     except OSError:
         pass
-
-
-def _reset_cause() -> str:
-    try:
-        cause = machine.reset_cause()
-    except (AttributeError, OSError):
-        return "unknown"
-    for attr, name in (
-        ("PWRON_RESET", "power-on"),
-        ("HARD_RESET", "hard"),
-        ("WDT_RESET", "watchdog"),
-        ("DEEPSLEEP_RESET", "deep sleep"),
-        ("SOFT_RESET", "soft"),
-    ):
-        if getattr(machine, attr, None) == cause:
-            return name
-    return str(cause)
 
 
 # ---------------------------------------------------------------- 6. the gateway
@@ -499,6 +363,7 @@ class Gateway:
         self.app_crashed = False  # app.py crashed at boot: the counter stays
         self.safe_limit = safe_limit
         self.failure: "Exception | None" = None  # what stopped the broker from beside it
+        self.before = 0  # the crash counter before this boot (gwboot.prepare)
 
     def wait(self, ms: int) -> None:
         """Sleep in watchdog-sized steps, feeding it."""
@@ -508,96 +373,8 @@ class Gateway:
             time.sleep_ms(step)
             ms -= step
 
-    def credentials(self, mode: str) -> "tuple[str, str] | None":
-        s = self.secrets or {}
-        if mode == "ap":
-            ssid = self.profile.get("ap_ssid") or "edgebroker"
-            key = s.get("ap_password") or ""
-            if len(key) < 8:
-                say(
-                    'no access point password: /secrets.json needs "ap_password" '
-                    '(8 to 63 characters) for wifi_mode "ap"'
-                )
-                return None
-            return ssid, key
-        ssid = s.get("wifi_ssid") or ""
-        if not ssid:
-            say('no Wi-Fi credentials: /secrets.json needs "wifi_ssid" and "wifi_password"')
-            return None
-        return ssid, s.get("wifi_password") or ""
-
-    def network_up(self) -> bool:
-        """Station or access point per wifi_mode. False: nothing to serve."""
-        mode = self.profile.get("wifi_mode") or "sta"
-        if mode != "sta" and mode != "ap":
-            say('unknown wifi_mode %r (expected "sta" or "ap")' % (mode,))
-            return False
-        if self.secrets is None:
-            say("no %s: Wi-Fi stays off and the broker is not started." % SECRETS_PATH)
-        creds = self.credentials(mode)
-        if creds is None:
-            say(
-                "copy firmware/secrets.example.json to firmware/secrets.json, fill it in, "
-                "run `edgebroker flash` again (or mpremote cp it to :/secrets.json), then reset"
-            )
-            return False
-        self.wdt = Watchdog(int(self.profile.get("watchdog_ms", WATCHDOG_MS)))
-        if mode == "ap":
-            start_ap(creds[0], creds[1])
-            return True
-        wlan = network.WLAN(wlan_interface("STA"))
-        up = connect_wifi(wlan, creds[0], creds[1], self.wait)
-        self.wifi = Reconnector(wlan, creds[0], creds[1], up)
-        self.ntp = bool(self.profile.get("ntp", True))
-        self.ntp_host = self.profile.get("ntp_host")
-        if self.ntp and up:
-            self.wdt.feed()
-            if sync_clock(self.ntp_host):
-                self.ntp_every_s = NTP_RESYNC_S
-        self.ntp_next_ms = time.ticks_add(time.ticks_ms(), self.ntp_every_s * 1000)
-        return True
-
-    def start_broker(self) -> "Any":
-        """edgebroker's public API: the profile's limits (with the users and
-        bridge credentials of /secrets.json), its retained store in DATA_DIR, listening on the
-        profile's bind:port. What edgebroker.start() does, but the store
-        gets this board's wallclock(), which knows whether NTP set the clock
-        (an RP2 boots with its RTC at 2021-01-01, a date that looks set)."""
-        gc.collect()
-        import edgebroker  # here, not at the top: an import failure is a crash like any other
-
-        # users and bridge credentials live in /secrets.json, not the profile
-        cfg = edgebroker.limits(edgebroker.with_secrets(self.profile, self.secrets))
-        edgebroker.load_modules(cfg)  # before the broker's objects: no holes between them
-        clock = edgebroker.MonoClock()  # one monotonic clock for the store and the broker
-        try:
-            os.mkdir(DATA_DIR)
-        except OSError:
-            pass  # exists
-        store = edgebroker.open_store(cfg, DATA_DIR, clock, wallclock, store_log)
-        broker = edgebroker.Broker(cfg, store, clock)
-        bind = self.profile.get("bind") or BIND
-        port = int(self.profile.get("port") or PORT)
-        try:
-            broker.listen(bind, port)
-        except OSError:
-            store.close()
-            raise
-        wifi = self.wifi
-        if wifi is not None:
-            broker.net_up = wifi.wlan.isconnected  # a bridge waits for the station
-        if cfg["bridges"]:
-            import edgebridge  # only on a board whose profile bridges
-
-            edgebridge.attach(broker, cfg["bridges"], DATA_DIR)
-        gc.collect()
-        print("edgebroker listening on %s:%d (%s)" % (bind, port, sys.implementation.name))
-        return broker
-
-    def run(self) -> None:
-        if not self.network_up():
-            return
-        broker = self.start_broker()
+    def run(self, broker: "Any") -> None:
+        """Serves until the broker stops (gwboot.start() made it)."""
         import asyncio
 
         try:
@@ -694,16 +471,10 @@ class Gateway:
                 self.ntp_next_ms = time.ticks_add(time.ticks_ms(), self.ntp_every_s * 1000)
 
 
-def load_secrets(path: str = SECRETS_PATH) -> "dict[str, Any] | None":
-    try:
-        s = read_json(path)
-    except ValueError as e:
-        say("%s is not valid JSON (%r): ignored" % (path, e))
-        return None
-    if s is not None and not isinstance(s, dict):
-        say("%s must hold a JSON object: ignored" % path)
-        return None
-    return s
+def _drop_boot() -> None:
+    # gwboot's code is heap: gone once nothing refers to it
+    sys.modules.pop("gwboot", None)
+    gc.collect()
 
 
 def main(
@@ -713,44 +484,24 @@ def main(
     crash_delay_ms: int = CRASH_DELAY_MS,
 ) -> None:
     """Boot the gateway (main.py). Returns to the REPL in safe mode, without
-    a profile or credentials, or after Ctrl-C; resets the board on a crash."""
-    say("boot (%s reset), %s" % (_reset_cause(), sys.version))
-    try:
-        profile = read_json(profile_path)
-    except ValueError as e:
-        profile = None
-        say("%s is not valid JSON (%r)" % (profile_path, e))
-    if not isinstance(profile, dict):
-        say(
-            "no board profile %s: run `edgebroker flash BOARD --port PORT`; "
-            "staying at the REPL" % profile_path
-        )
+    a profile or credentials, or after Ctrl-C; resets the board on a crash.
+    The boot steps are firmware/gwboot.py's, dropped before serving."""
+    import gwboot
+
+    gw = gwboot.prepare(profile_path, secrets_path, clear_after_s)
+    if gw is None:
+        del gwboot
+        _drop_boot()
         return
-    limit = profile.get("safe_mode_crashes")
-    limit = SAFE_MODE_CRASHES if limit is None else int(limit)
-    why = safe_mode_reason(limit, clear_after_s)
-    if why is not None:
-        say("SAFE MODE: broker not started: " + why)
-        if exists(LAST_CRASH_PATH):
-            say("last crash (%s):" % LAST_CRASH_PATH)
-            try:
-                with open(LAST_CRASH_PATH) as f:
-                    print(f.read(), end="")
-            except OSError:
-                pass
-        say(
-            "staying at the REPL. Fix the cause, then `import gateway; gateway.clear()` "
-            "and reset (or run `edgebroker flash` again)"
-        )
-        return
-    before = read_int(CRASHES_PATH)
-    write_text(CRASHES_PATH, str(before + 1))
-    gw = Gateway(profile, load_secrets(secrets_path), clear_after_s, limit)
     try:
-        gw.run()
+        broker = gwboot.start(gw)
+        del gwboot
+        _drop_boot()
+        if broker is not None:
+            gw.run(broker)
     except KeyboardInterrupt:
         if not gw.cleared:
-            write_text(CRASHES_PATH, str(before))  # a deliberate stop is not a crash
+            write_text(CRASHES_PATH, str(gw.before))  # a deliberate stop is not a crash
         say("stopped by Ctrl-C; at the REPL")
         gw.wdt.maintenance(MAINTENANCE_S)
         return
@@ -765,4 +516,4 @@ def main(
             return
         machine.reset()
     if not gw.cleared:
-        write_text(CRASHES_PATH, str(before))  # nothing to serve is not a crash either
+        write_text(CRASHES_PATH, str(gw.before))  # nothing to serve is not a crash either

@@ -3565,14 +3565,6 @@ class Broker:
             raise
         self.socks[_key(conn.io)] = conn
 
-    def _new_poller(self):
-        ent = []
-        if not self._pause:
-            ent.append((1, None, self.lsock))
-        for c in self.socks.values():
-            ent.append((1, 1 if c.wait else None, c.io))
-        self.poller = _repoll(ent)
-
     def _want_write(self, conn, want):
         if self._async:
             if want and conn.wait is None:
@@ -3581,9 +3573,21 @@ class Broker:
             conn.wait = want
             self.poller.modify(conn.io, self._mask(conn))
 
+    # >>> host only: the poll server's (a board build leaves these lines out:
+    # a board runs serve_async(); the poll-server branches above never run there)
+    def _new_poller(self):
+        ent = []
+        if not self._pause:
+            ent.append((1, None, self.lsock))
+        for c in self.socks.values():
+            ent.append((1, 1 if c.wait else None, c.io))
+        self.poller = _repoll(ent)
+
     def _mask(self, conn):
         # poll server: POLLIN unless flow control holds its input
         return (0 if conn.paused else select.POLLIN) | (select.POLLOUT if conn.wait else 0)
+
+    # <<< host only
 
     def _resume(self):
         # connections whose held input the engine took back: read again
@@ -3626,6 +3630,8 @@ class Broker:
         self._close_io(conn)
 
     # ------------------------------------------------------- poll server
+    # >>> host only: the poll server (a board build leaves it out: a board
+    # runs serve_async(), one task beside the firmware's and the user's)
     def serve(self, on_tick=None):
         """The poll server: runs until stop() or KeyboardInterrupt. on_tick,
         if given, is called about once a second."""
@@ -3690,6 +3696,8 @@ class Broker:
         finally:
             self.shutdown()
 
+    # <<< host only
+
     # ------------------------------------------------------ async server
     async def serve_async(self):
         """The asyncio server: one task that runs the engine's turns, one
@@ -3741,6 +3749,7 @@ class Broker:
                 self.engine.refuse("memory", "MemoryError in accept")
             self._wake.set()
 
+    # >>> host only: main's --stop-on-eof (a board build leaves it out)
     def _stop_read(self):
         # Anything but end of file is ignored; True once it is reached.
         try:
@@ -3762,6 +3771,8 @@ class Broker:
                     break
         finally:
             _io_forget(s)
+
+    # <<< host only
 
     async def _ticker(self):
         aio = _asyncio()

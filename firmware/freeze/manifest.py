@@ -26,5 +26,7 @@ module("edgeauth.py", base_path="../../lib")
 module("edgebridge.py", base_path="../../lib")
 
 # the gateway: Wi-Fi, clock, watchdog, safe mode, and the user app runner
+# (gwboot: its boot steps, dropped once the broker serves)
 module("gateway.py", base_path="..")
+module("gwboot.py", base_path="..")
 module("userapp.py", base_path="..")

@@ -98,16 +98,17 @@ def test_flash_host_profile_end_to_end(board, secrets, tmp_path):
     assert "edgebroker build: host ->" in out  # nothing built yet: built first
     # the host profile keeps its retained messages in RAM: edgeram, not edgestore
     for f in ("lib/edgebroker.mpy", "lib/edgeconf.mpy", "lib/edgeram.mpy", "lib/gateway.mpy",
-              "lib/userapp.mpy", "boot.py", "main.py", "board.json", "secrets.json"):
+              "lib/gwboot.mpy", "lib/userapp.mpy", "boot.py", "main.py", "board.json",
+              "secrets.json"):
         assert "copy %s" % f in out, out
-    assert "verified 9 files by sha256" in out
+    assert "verified 10 files by sha256" in out
     assert "board | edgebroker: wifi connected 127.0.0.1" in out
     assert "board | edgebroker listening on 127.0.0.1:%d (micropython)" % port in out
     assert "host flashed, verified, broker running" in out
     assert "[########################] 100%" in out
     assert set(board.files()) >= {"boot.py", "main.py", "board.json", "secrets.json", "crashes",
                                   "lib/edgebroker.mpy", "lib/edgeconf.mpy", "lib/edgeram.mpy",
-                                  "lib/gateway.mpy", "lib/userapp.mpy"}
+                                  "lib/gateway.mpy", "lib/gwboot.mpy", "lib/userapp.mpy"}
     assert "lib/edgestore.mpy" not in board.files()
     assert "safe_mode" not in board.files() and "app.py" not in board.files()
     on_board = json.loads((board.root / "board.json").read_text())
@@ -154,7 +155,8 @@ def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path
                  if label.startswith(("copy ", "same "))]
         assert sorted(files) == sorted(["lib/edgebroker.mpy", "lib/edgeconf.mpy",
                                         "lib/edgestore.mpy", "lib/edgeopen.mpy", "lib/gateway.mpy",
-                                        "lib/userapp.mpy", "boot.py", "main.py", "board.json",
+                                        "lib/gwboot.mpy", "lib/userapp.mpy", "boot.py", "main.py",
+                                        "board.json",
                                         "secrets.json"]), bars
         pcts = [pct for pct, _label in bars]
         assert pcts == sorted(set(pcts)) and pcts[-1] == 100 and pcts[-2] < 100, bars
@@ -452,8 +454,8 @@ def test_romfs_image_mounts_and_imports(tmp_path):
     out = subprocess.run([micropython_exe(), "-c", code], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert ("ROM ['edgebroker.mpy', 'edgeconf.mpy', 'edgeram.mpy', 'gateway.mpy', 'userapp.mpy']"
-            in out.stdout)
+    assert ("ROM ['edgebroker.mpy', 'edgeconf.mpy', 'edgeram.mpy', 'gateway.mpy', 'gwboot.mpy',"
+            " 'userapp.mpy']" in out.stdout)
     assert "/rom/lib/edgebroker.mpy" in out.stdout
     # flash deploys the image instead of copying lib/*.mpy, and verifies it under /rom
     target = build_cmd.load_target("host", ["romfs=true"])

@@ -78,6 +78,7 @@ sys.modules['network'] = fake_network
 sys.modules['ntptime'] = fake_ntptime
 sys.path.insert(0, %r)
 import gateway
+import gwboot
 """ % (str(STANDIN_DIR), str(REPO / "firmware"))
 
 
@@ -101,9 +102,9 @@ def test_wifi_fails_twice_then_connects_with_backoff():
     out = mpy_run(
         "waits = []\n"
         "w = fake_network.WLAN(fake_network.STA_IF)\n"
-        "ok = gateway.connect_wifi(w, 'lab', 'pw', waits.append, attempts=5, base_ms=300,"
+        "ok = gwboot.connect_wifi(w, 'lab', 'pw', waits.append, attempts=5, base_ms=300,"
         " max_ms=1000, timeout_ms=2000)\n"
-        "print('RESULT', ok, [x for x in waits if x != gateway.WIFI_POLL_MS],"
+        "print('RESULT', ok, [x for x in waits if x != gwboot.WIFI_POLL_MS],"
         " len(fake_network.connects))\n",
         env={"STANDIN_WIFI_FAILS": "2", "STANDIN_WIFI_DELAY_MS": "0"},
     )
@@ -119,9 +120,9 @@ def test_wifi_attempts_are_bounded():
     out = mpy_run(
         "waits = []\n"
         "w = fake_network.WLAN(fake_network.STA_IF)\n"
-        "ok = gateway.connect_wifi(w, 'lab', 'pw', waits.append, attempts=4, base_ms=300,"
+        "ok = gwboot.connect_wifi(w, 'lab', 'pw', waits.append, attempts=4, base_ms=300,"
         " max_ms=700, timeout_ms=1000)\n"
-        "print('RESULT', ok, [x for x in waits if x != gateway.WIFI_POLL_MS],"
+        "print('RESULT', ok, [x for x in waits if x != gwboot.WIFI_POLL_MS],"
         " len(fake_network.connects))\n",
         env={"STANDIN_WIFI_SSID": "other", "STANDIN_WIFI_DELAY_MS": "0"},
     )
@@ -132,7 +133,7 @@ def test_wifi_attempts_are_bounded():
 def test_wifi_wrong_password_is_named():
     out = mpy_run(
         "w = fake_network.WLAN(fake_network.STA_IF)\n"
-        "print('RESULT', gateway.connect_wifi(w, 'lab', 'bad', lambda ms: None, attempts=1))\n",
+        "print('RESULT', gwboot.connect_wifi(w, 'lab', 'bad', lambda ms: None, attempts=1))\n",
         env={"STANDIN_WIFI_PASSWORD": "good", "STANDIN_WIFI_DELAY_MS": "0"},
     )
     assert "wifi attempt 1 failed (wrong password)" in out
@@ -472,6 +473,30 @@ def test_no_app_file_runs_the_broker_alone(boards, dist, tmp_path):
     assert "app:" not in b.console()
 
 
+APP_LOOKS_AT_THE_BOOT = """
+import sys
+
+async def main(broker):
+    print("app: gwboot loaded", "gwboot" in sys.modules, "gateway loaded", "gateway" in sys.modules)
+"""
+
+
+def test_the_boot_steps_are_dropped_before_the_broker_serves(boards, dist, tmp_path):
+    """firmware/gwboot.py (the profile, safe mode, secrets, the first Wi-Fi
+    connect, starting the broker) is gone from sys.modules once the broker
+    serves: its bytecode is heap on a board. The app, beside the serving
+    broker, sees gateway loaded and gwboot not, and the broker serves."""
+    prof = place(tmp_path / "board", dist, {}, SECRETS, extra={"app.py": APP_LOOKS_AT_THE_BOOT})
+    b = boards()
+    assert b.wait_console("app: gwboot loaded", timeout=15), b.console()
+    assert "app: gwboot loaded False gateway loaded True" in b.console()
+    pub = paho_client(prof["port"], client_id="fw-pub")
+    try:
+        pub.publish_wait("fw/x", b"1", qos=1)
+    finally:
+        pub.close()
+
+
 def test_manifest_freezes_every_board_module():
     """Issue 12 item 2: firmware/freeze/manifest.py (FROZEN_MANIFEST for a firmware
     build) names the port's manifest and every module the board imports,
@@ -494,5 +519,8 @@ def test_manifest_freezes_every_board_module():
     assert not missing, missing
     names = {p.name for p in seen}
     assert {p.name for p in (REPO / "lib").glob("*.py")} <= names
-    assert {"gateway.py", "userapp.py"} <= names
+    # every firmware module but the entry points, which stay on the filesystem
+    board = {p.name for p in (REPO / "firmware").glob("*.py")} - {"boot.py", "main.py"}
+    assert board == {"gateway.py", "gwboot.py", "userapp.py"}
+    assert board <= names
     assert not {"boot.py", "main.py"} & names  # they stay on the filesystem

@@ -523,6 +523,7 @@ _WORD_SIZE_FREE: Final = ("retained.disc_only.per_message",)
 #: import ratio, and these by a kind alike.
 _ALIKE: Final = {
     "import_mpy_firmware.gateway": "import_mpy.edgebroker",
+    "import_mpy_firmware.gwboot": "import_mpy.edgebroker",
     "broker_idle": "engine_idle",
     "per_queued_message_256": "per_queued_message",
     "message_overhead": "per_queued_message",
