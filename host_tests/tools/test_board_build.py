@@ -61,7 +61,7 @@ def test_every_board_module_has_balanced_markers():
         runner.board_source(p.read_text(), str(p))
 
 
-def test_broker_board_build_leaves_out_the_command_line_and_cpython_branches(tmp_path):
+def test_broker_board_build_leaves_out_the_command_line_cpython_branches_and_poll_server(tmp_path):
     full = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "full")
     board = runner.compile_mpy(REPO / "lib" / "edgebroker.py", tmp_path / "board", board=True)
     assert board.stat().st_size < full.stat().st_size - 2000
@@ -70,14 +70,16 @@ def test_broker_board_build_leaves_out_the_command_line_and_cpython_branches(tmp
         "sys.path.insert(0, %r)\n"
         "import edgebroker\n"
         "print(hasattr(edgebroker, 'main'), hasattr(edgebroker, '_install_signals'),"
-        " hasattr(edgebroker, '_tls_wants'))\n"
+        " hasattr(edgebroker, '_tls_wants'), hasattr(edgebroker.Broker, 'serve'),"
+        " hasattr(edgebroker.Broker, '_stop_read'), hasattr(edgebroker.Broker, 'serve_async'))\n"
     )
     r = subprocess.run([str(MP), "-c", code % str(board.parent)], capture_output=True,
                        text=True, timeout=60)
-    assert r.stdout.split() == ["False", "False", "False"], r.stdout + r.stderr
+    # the poll server too: a board runs serve_async()
+    assert r.stdout.split() == ["False"] * 5 + ["True"], r.stdout + r.stderr
     r = subprocess.run([str(MP), "-c", code % str(full.parent)], capture_output=True,
                        text=True, timeout=60)
-    assert r.stdout.split() == ["True", "True", "True"], r.stdout + r.stderr
+    assert r.stdout.split() == ["True"] * 6, r.stdout + r.stderr
 
 
 def test_edgebroker_build_ships_the_board_build(tmp_path):
