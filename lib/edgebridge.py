@@ -424,8 +424,7 @@ class Queue:
         blen = _MHEAD + tl + pl + len(payload)
         # room for the record and the cursor record the next commit may add
         n = blen + 26
-        wb = self.wb
-        if self.fend + len(wb) - self.cursor + n > self.budget:  # nbytes, inlined
+        if self.nbytes + n > self.budget:
             if not self.drop_oldest or n > self.budget:
                 self.drops += 1
                 return False
@@ -433,6 +432,7 @@ class Queue:
                 self._drop_first()
         # record(T_MSG, body) written in place: no copies (the CRC
         # of type, length and body in one pass is the chained one)
+        wb = self.wb
         i = len(wb)
         wb += pack(">BIIBBIIHI", T_MSG, blen, self.seq, qos, flags, exp, wall, tl, pl)
         wb += topic_b
