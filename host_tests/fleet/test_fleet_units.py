@@ -21,7 +21,7 @@ from edgebroker_tools.cli import main as cli_main
 from edgebroker_tools.fleet import collect, decode, mqtt5, props, synth
 from edgebroker_tools.fleet.inventory import InventoryError, load_inventory
 from edgebroker_tools.fleet.progress import Progress
-from edgebroker_tools.fleet.schema import SNAPSHOT_SCHEMA
+from edgebroker_tools.fleet.schema import SNAPSHOT_SCHEMA, TOTAL_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "host_tests" / "data"
@@ -247,6 +247,41 @@ def test_snapshot_reader_fills_optional_columns_and_refuses_non_snapshots(tmp_pa
     (tmp_path / "junk.parquet").write_bytes(b"PAR1junk")
     with pytest.raises(decode.DecodeError, match="unreadable Parquet"):
         decode.read_snapshot((tmp_path / "junk.parquet").read_bytes())
+
+
+def test_collection_totals_ride_on_the_first_header_row_of_each_collection() -> None:
+    # what the build's collections step reads instead of every row: retained
+    # rows (not $SYS) counted, their bytes (topic + payload + stored property
+    # bytes; a row without a payload adds none), the largest payload
+    later = datetime(2025, 6, 1, 11, 0, tzinfo=UTC)
+    rows = [
+        {"gateway_id": "g", "collected_at": WHEN, "topic": None, "payload": None,
+         "props_bytes": None},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "a/b", "payload": b"1234",
+         "props_bytes": 10},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "c", "payload": b"x"},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "d", "payload": None},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "$SYS/broker/heap/free",
+         "payload": b"123456789"},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": None, "payload": None},  # again
+        {"gateway_id": "g", "collected_at": later, "topic": None, "payload": None},  # empty
+    ]  # fmt: skip
+    table = decode.conform(pa.Table.from_pylist(rows), "test")
+    out = decode.with_totals(table).to_pylist()
+    got = [(r["topic"], r["collected_at"] == WHEN, *(r[c] for c in TOTAL_COLUMNS)) for r in out]
+    assert got == [
+        (None, True, 3, (3 + 4 + 10) + (1 + 1), 4),
+        ("a/b", True, None, None, None),
+        ("c", True, None, None, None),
+        ("d", True, None, None, None),
+        ("$SYS/broker/heap/free", True, None, None, None),
+        (None, True, None, None, None),  # a second header: the first has the totals
+        (None, False, 0, 0, 0),
+    ]
+    # the observations keep payload_text for the $SYS rows only (the
+    # statistics); a retained row's text is derived from its payload
+    text = decode.sys_text_only(table).column("payload_text").to_pylist()
+    assert text == [None, None, None, None, "123456789", None, None]
 
 
 def test_ingest_reports_each_file_and_yields_only_good_ones(tmp_path: Path) -> None:

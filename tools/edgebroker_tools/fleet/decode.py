@@ -43,6 +43,7 @@ from edgebroker_tools.fleet.schema import (
     LIMIT_KEYS,
     REQUIRED_COLUMNS,
     SNAPSHOT_SCHEMA,
+    TOTAL_COLUMNS,
     utf8_text,
 )
 
@@ -167,6 +168,73 @@ def with_headers(table: pa.Table) -> pa.Table:
     }
     header_rows = pa.Table.from_pydict(cols, schema=SNAPSHOT_SCHEMA)
     return pa.concat_tables([header_rows, table])
+
+
+def with_totals(table: pa.Table) -> pa.Table:
+    """The table plus schema.TOTAL_COLUMNS: each collection's retained totals
+    on its first header row, null on every other row.
+
+    A retained row has a topic that is not $SYS. Bytes are topic + payload +
+    stored property bytes; a row without a payload adds none (as the build's
+    SQL did: a null length is skipped by its sum).
+    """
+    keys = ["gateway_id", "collected_at"]
+    topic = table.column("topic")
+    is_head = pc.is_null(topic)
+    sys_rows = cast(
+        "pa.ChunkedArray[Any]", pc.fill_null(pc.starts_with(topic, "$SYS"), pa.scalar(True))
+    )
+    kept = table.select([*keys, "topic", "payload", "props_bytes"]).filter(
+        pc.and_(pc.invert(is_head), pc.invert(sys_rows))
+    )
+    plen = pc.cast(pc.binary_length(kept.column("payload")), pa.int64())
+    props_bytes = cast(
+        "pa.ChunkedArray[Any]",
+        pc.fill_null(pc.cast(kept.column("props_bytes"), pa.int64()), pa.scalar(0, pa.int64())),
+    )
+    size = pc.add(
+        pc.add(pc.cast(pc.binary_length(kept.column("topic")), pa.int64()), plen), props_bytes
+    )
+    per = (
+        kept.select(keys)
+        .append_column("_n", pa.repeat(pa.scalar(1, pa.int64()), kept.num_rows))
+        .append_column("_size", size)
+        .append_column("_plen", plen)
+        .group_by(keys, use_threads=False)
+        .aggregate([("_n", "sum"), ("_size", "sum"), ("_plen", "max")])
+    )
+    totals: dict[tuple[Any, Any], tuple[int, int, int]] = {}
+    for r in per.to_pylist():
+        totals[(r["gateway_id"], r["collected_at"])] = (
+            int(r["_n_sum"] or 0), int(r["_size_sum"] or 0), int(r["_plen_max"] or 0)
+        )  # fmt: skip
+    seen: set[tuple[Any, Any]] = set()
+    cols: list[list[int | None]] = [[], [], []]
+    for h in table.select(keys).filter(is_head).to_pylist():  # a header per collection: few
+        key = (h["gateway_id"], h["collected_at"])
+        got = None if key in seen else totals.get(key, (0, 0, 0))
+        seen.add(key)
+        for i in range(3):
+            cols[i].append(None if got is None else got[i])
+    mask = cast("pa.ChunkedArray[Any]", is_head).combine_chunks()  # a column: chunked
+    for name, values in zip(TOTAL_COLUMNS, cols, strict=True):
+        # the header rows' values, in order, where mask is set
+        col = pc.replace_with_mask(
+            pa.nulls(table.num_rows, pa.int64()), mask, pa.array(values, pa.int64())
+        )
+        table = table.append_column(name, col)
+    return table
+
+
+def sys_text_only(table: pa.Table) -> pa.Table:
+    """payload_text kept on the $SYS rows only, null on the others: the build
+    reads it there (the statistics) and derives a retained row's text from
+    its payload where it needs it (topic_history), so the observations carry
+    and store no second copy of every payload."""
+    sys_rows = pc.fill_null(pc.starts_with(table.column("topic"), "$SYS"), pa.scalar(False))
+    i = table.schema.get_field_index("payload_text")
+    text = pc.if_else(sys_rows, table.column(i), pa.scalar(None, pa.string()))
+    return table.set_column(i, table.schema.field(i), text)
 
 
 # ---------------------------------------------------------------- Parquet
@@ -342,4 +410,4 @@ def ingest_tables(
                 continue
             statuses.append(FileStatus(path, kind, table.num_rows))
             table = table.append_column("_file", pa.repeat(pa.scalar(path), table.num_rows))
-            yield table.cast(INGEST_SCHEMA)
+            yield with_totals(sys_text_only(table)).cast(INGEST_SCHEMA)

@@ -130,6 +130,8 @@ from edgebroker_tools.fleet.schema import (
     RETAINED_DIR,
     STORES_DIR,
     TABLES,
+    TOTAL_COLUMNS,
+    WAREHOUSE_FORMAT,
     commit_name,
     stamp,
 )
@@ -155,6 +157,7 @@ INGEST_STRUCT: Final = StructType(
         StructField("message_expiry", LongType()),
         StructField("props_bytes", IntegerType()),
         StructField("_file", StringType()),
+        *(StructField(c, LongType()) for c in TOTAL_COLUMNS),
     ]
 )
 UNITS_STRUCT: Final = StructType(
@@ -544,36 +547,16 @@ def _file_hash() -> Column:
 def collections(obs: DataFrame) -> DataFrame:
     """One row per (gateway, collection): its facts, retained totals and $SYS statistics.
 
-    Two aggregates joined: one over every row (cheap expressions only) and
-    one over the few $SYS rows (the statistics).
+    One aggregate over the header rows and the $SYS rows only (about 5% of
+    the rows): the decoder put each collection's retained totals on its
+    header row (decode.with_totals), so no aggregate reads every row.
     """
     topic = F.col("topic")
-    state = topic.isNotNull() & ~topic.startswith("$SYS")
-    size = (
-        F.octet_length(topic)
-        + F.octet_length("payload")
-        + F.coalesce(F.col("props_bytes"), F.lit(0))
-    )
-    # A collection's facts come from its header row (decode.with_headers
-    # makes sure there is one): an aggregate over all rows with strings in
-    # it would sort every row; this one is numeric and hash-based.
-    facts = (
-        obs.where(topic.isNull())
-        .groupBy("gateway_id", "collected_at")
-        .agg(
-            *(F.max(c).alias(c) for c in ("board", "source", "run_id")),
-            *(F.max(f"limit_{k}").alias(f"limit_{k}") for k in LIMIT_KEYS),
-        )
-    )
-    main = obs.groupBy("gateway_id", "collected_at").agg(
-        F.min(_file_hash()).alias("_lo"),
-        F.max(_file_hash()).alias("_hi"),
-        F.count(F.when(state, 1)).alias("retained_count"),
-        F.coalesce(F.sum(F.when(state, size)), F.lit(0)).cast("long").alias("retained_bytes"),
-        F.coalesce(F.max(F.when(state, F.octet_length("payload"))), F.lit(0))
-        .cast("long")
-        .alias("max_payload_bytes"),
-    )
+    head = topic.isNull()
+
+    def fact(name: str) -> Column:
+        return F.max(F.when(head, F.col(name))).alias(name)
+
     refusal = F.when(
         topic.startswith(SYS_PREFIX + "refusals/"),
         F.struct(
@@ -581,10 +564,20 @@ def collections(obs: DataFrame) -> DataFrame:
             F.col("payload_text").try_cast("long").alias("count"),
         ),
     )
-    stats = (
-        obs.where(topic.startswith(SYS_PREFIX))
+    return (
+        obs.where(head | topic.startswith(SYS_PREFIX))
         .groupBy("gateway_id", "collected_at")
         .agg(
+            *(fact(c) for c in ("board", "source", "run_id")),
+            *(fact(f"limit_{k}") for k in LIMIT_KEYS),
+            # in two (batch, file)s: every file of a collection has its header row
+            F.min(F.when(head, _file_hash())).alias("_lo"),
+            F.max(F.when(head, _file_hash())).alias("_hi"),
+            F.coalesce(F.sum("_retained_count"), F.lit(0)).cast("long").alias("retained_count"),
+            F.coalesce(F.sum("_retained_bytes"), F.lit(0)).cast("long").alias("retained_bytes"),
+            F.coalesce(F.max("_max_payload_bytes"), F.lit(0))
+            .cast("long")
+            .alias("max_payload_bytes"),
             _sys("retained/count").alias("sys_retained_count"),
             _sys("retained/bytes").alias("sys_retained_bytes"),
             _sys("heap/free").alias("heap_free"),
@@ -599,10 +592,6 @@ def collections(obs: DataFrame) -> DataFrame:
             ),
             F.array_sort(F.collect_list(refusal)).alias("_refusals"),
         )
-    )
-    keys = ["gateway_id", "collected_at"]
-    return (facts.join(main, keys).join(stats, keys, "left")).withColumn(
-        "_refusals", F.coalesce(F.col("_refusals"), F.array().cast(_REFUSALS_TYPE))
     )
 
 
@@ -671,7 +660,7 @@ def health(coll: DataFrame, near: float) -> DataFrame:
 
 
 def history(obs: DataFrame, coll: DataFrame) -> DataFrame:
-    """topic_history: one shuffle by (gateway, topic) and one sort by collected_at.
+    """topic_history: one shuffle by gateway and one sort by (gateway, topic, collected_at).
 
     Window functions over each topic's observations mark where a segment
     starts (value differs from the previous observation, or the previous
@@ -703,16 +692,22 @@ def history(obs: DataFrame, coll: DataFrame) -> DataFrame:
         .join(F.broadcast(nxt), ["gateway_id", "collected_at"])
     )
     boards = coll.groupBy("gateway_id").agg(F.max_by("board", "collected_at").alias("board"))
-    # The hash first: the sort then compares longs, not long common prefixes.
-    # _vh stands for the value's qos and properties (one lag, not four); the
-    # payload itself is compared exactly.
+    # Hashes first: the sort then compares longs, not long common prefixes.
+    # Shuffled by the gateway's hash (_g) and sorted by it first, every
+    # gateway's segments are together in one file: its gateway_id, board and
+    # collection times compress to almost nothing (the table is half the
+    # size, written and read back faster) and a reader's gateway filter
+    # skips row groups. _k orders a gateway's topics. _vh stands for the
+    # value's qos and properties (one lag, not four); the payload itself is
+    # compared exactly.
     rows = rows.withColumns(
         {
+            "_g": F.xxhash64("gateway_id"),
             "_k": F.xxhash64("gateway_id", "topic"),
             "_vh": F.xxhash64("qos", "content_type", "payload_format", "user_properties"),
         }
-    )
-    w = Window.partitionBy("_k", "gateway_id", "topic").orderBy("collected_at")
+    ).repartition("_g")
+    w = Window.partitionBy("_g", "_k", "gateway_id", "topic").orderBy("collected_at")
     running = w.rowsBetween(Window.unboundedPreceding, Window.currentRow)
     start = (
         (F.row_number().over(w) == 1)
@@ -1109,6 +1104,11 @@ class Commit:
     def files(self) -> dict[str, str]:
         return {str(k): str(v) for k, v in dict(self.data.get("files", {})).items()}
 
+    @property
+    def format(self) -> int:
+        """The warehouse layout it was written with (schema.WAREHOUSE_FORMAT; 1 if unnamed)."""
+        return int(self.data.get("format", 1))
+
 
 def commits(fs: Hfs, out: str) -> list[Commit]:
     """The warehouse's commit records, oldest first (the last is its state)."""
@@ -1235,14 +1235,19 @@ class _Run:
     t0: float
 
     @property
+    def reusable(self) -> bool:
+        """The previous commit's batches are of this layout: the build adds to them."""
+        return self.last is not None and self.last.format == WAREHOUSE_FORMAT
+
+    @property
     def done(self) -> dict[str, str]:
         """The input files the previous commit saw (path -> size|mtime key)."""
-        return self.last.files if self.last else {}
+        return self.last.files if self.last and self.reusable else {}
 
     @property
     def batches(self) -> list[str]:
         """The observation batches the previous commit names."""
-        return self.last.batches if self.last else []
+        return self.last.batches if self.last and self.reusable else []
 
 
 def _build(run: _Run) -> Result:
@@ -1251,6 +1256,11 @@ def _build(run: _Run) -> Result:
     spark, fs, snapshots, build_id, rep = run.spark, run.fs, run.snapshots, run.build_id, run.rep
     done = run.done
     rep.begin("list")
+    if run.last is not None and not run.reusable:
+        rep.say(
+            f"warehouse format {run.last.format} -> {WAREHOUSE_FORMAT}: "
+            "every snapshot is ingested again"
+        )
     inputs = list_inputs(spark, fs, snapshots)
     new = [f for f in inputs if done.get(f.rel) != f.key]
     result = Result(build_id, None, len(inputs), len(new))
@@ -1328,6 +1338,12 @@ def _build_inputs(run: _Run, tiny: bool, new: list[InputFile], result: Result) -
     obs = base
     coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
     deduped = False
+    # The tables that do not depend on each other are written at once, from
+    # threads of this driver (Spark runs jobs of one session concurrently):
+    # on a small fleet each write is mostly fixed driver-side cost (planning,
+    # task launch, the commit protocol) that overlaps; on a large one they
+    # share the cores. The fault checkpoints stay in order, each after the
+    # writes it names have finished.
     if not tiny:
         # a large input: one pass fills the collections cache before the
         # table writes share it (two writes at once would each compute it)
@@ -1336,12 +1352,6 @@ def _build_inputs(run: _Run, tiny: bool, new: list[InputFile], result: Result) -
         if probe is not None and probe[0]:
             obs, coll = _deduped(base, coll)
             deduped = True
-    # The tables that do not depend on each other are written at once, from
-    # threads of this driver (Spark runs jobs of one session concurrently):
-    # on a small fleet each write is mostly fixed driver-side cost (planning,
-    # task launch, the commit protocol) that overlaps; on a large one they
-    # share the cores. The fault checkpoints stay in order, each after the
-    # writes it names have finished.
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fleet-write")
     try:
         try:
@@ -1409,9 +1419,11 @@ def _tables(
         F.max("collected_at").alias("as_of"),
         F.max(_in_two_files()).alias("dup"),
     )
+    # topic_history first: the longest write, its small broadcast jobs then
+    # run before gateway_health's tasks, not behind them
+    hist_f = write(history(obs, coll).select(*HISTORY_COLUMNS), "topic_history")
     gh = health(checked, opts.near).persist(StorageLevel.MEMORY_AND_DISK)
     gh_f = write(gh, "gateway_health")
-    hist_f = write(history(obs, coll).select(*HISTORY_COLUMNS), "topic_history")
     log_uri = join(snapshots, COLLECT_LOG)
     log = (
         spark.read.schema(COLLECT_LOG_STRUCT).json(log_uri)
@@ -1477,6 +1489,7 @@ def _tables(
     result.seconds = round(time.monotonic() - t0, 3)
     record = {
         "seq": seq,
+        "format": WAREHOUSE_FORMAT,
         "build_id": build_id,
         "tables": {name: f"{BUILDS}/{build_id}/{name}" for name in TABLES},
         "patches": f"{BUILDS}/{build_id}/{PATCHES}",

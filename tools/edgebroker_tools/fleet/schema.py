@@ -39,7 +39,8 @@ the build reaches it only through Spark and the Hadoop FileSystem API:
 
 A commit record (JSON) names everything a reader needs:
 
-    {"seq": 3, "build_id": "...", "tables": {"fleet_state": "builds/<id>/fleet_state", ...},
+    {"seq": 3, "format": 2, "build_id": "...",
+     "tables": {"fleet_state": "builds/<id>/fleet_state", ...},
      "patches": "builds/<id>/patches", "batches": ["batch=<id>", ...],
      "files": {"retained/date=.../x.parquet": "<rel>|<size>|<mtime ms>", ...},
      "build": {the build log: inputs, ingested and skipped files, rows, steps, seconds}}
@@ -102,8 +103,23 @@ SNAPSHOT_SCHEMA: Final = pa.schema(_SNAPSHOT_FIELDS)
 #: Columns a snapshot file must have; the others are filled with nulls when absent.
 REQUIRED_COLUMNS: Final = frozenset({"gateway_id", "collected_at", "topic", "payload"})
 
-#: The executors' output: a snapshot row plus the input file it came from.
-INGEST_SCHEMA: Final = SNAPSHOT_SCHEMA.append(pa.field("_file", pa.string()))
+#: Per collection and input file, on its first header row (null on every
+#: other row): the retained rows' count, bytes (topic + payload + stored
+#: property bytes) and largest payload. The build reads a collection's facts
+#: from its header rows alone instead of aggregating every row.
+TOTAL_COLUMNS: Final = ("_retained_count", "_retained_bytes", "_max_payload_bytes")
+#: The executors' output: a snapshot row, the input file it came from, the totals.
+INGEST_SCHEMA: Final = pa.schema(
+    [
+        *_SNAPSHOT_FIELDS,
+        pa.field("_file", pa.string()),
+        *(pa.field(c, pa.int64()) for c in TOTAL_COLUMNS),
+    ]
+)
+#: The warehouse's layout version, in every commit record. The batches of a
+#: commit with another (or none: version 1, before the totals) are not
+#: reused: the next build ingests every snapshot again.
+WAREHOUSE_FORMAT: Final = 2
 
 RETAINED_DIR: Final = "retained"
 STORES_DIR: Final = "stores"
