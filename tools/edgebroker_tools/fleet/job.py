@@ -25,7 +25,10 @@ commit protocol: schema.py):
    that batch back (Parquet: each step reads only its columns). Caching the
    decoded rows instead cost more than the reads it saved (6.3 M rows:
    ingest 28.8 -> 16.7 s, the tables 4 s slower). A tiny input stays in
-   memory (its rows are a local Arrow table already).
+   memory (its rows are a local Arrow table already). The decoder puts
+   each collection's retained totals on its header row and keeps
+   payload_text for $SYS rows only (decode.with_totals, sys_text_only): no
+   step aggregates every row, and no payload is stored twice.
 3. Everything else is recomputed from all committed batches plus this
    one, so the tables depend on the set of rows ingested, never on the
    order of builds: a build over the same input gives the same tables, and
