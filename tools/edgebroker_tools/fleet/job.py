@@ -174,9 +174,6 @@ UNITS_STRUCT: Final = StructType(
 #: A payload that is a number (JSON/C syntax, surrounding blanks allowed).
 NUMBER_RE: Final = r"^\s*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$"
 SYS_PREFIX: Final = "$SYS/broker/"
-_REFUSALS_TYPE: Final = ArrayType(
-    StructType([StructField("cause", StringType()), StructField("count", LongType())])
-)
 RETAINED_REFUSALS: Final = ("retained_full", "retained_too_large", "retained_heap")
 
 HISTORY_COLUMNS: Final = (
@@ -1341,12 +1338,6 @@ def _build_inputs(run: _Run, tiny: bool, new: list[InputFile], result: Result) -
     obs = base
     coll = collections(obs).persist(StorageLevel.MEMORY_AND_DISK)
     deduped = False
-    # The tables that do not depend on each other are written at once, from
-    # threads of this driver (Spark runs jobs of one session concurrently):
-    # on a small fleet each write is mostly fixed driver-side cost (planning,
-    # task launch, the commit protocol) that overlaps; on a large one they
-    # share the cores. The fault checkpoints stay in order, each after the
-    # writes it names have finished.
     if not tiny:
         # a large input: one pass fills the collections cache before the
         # table writes share it (two writes at once would each compute it)
@@ -1355,6 +1346,12 @@ def _build_inputs(run: _Run, tiny: bool, new: list[InputFile], result: Result) -
         if probe is not None and probe[0]:
             obs, coll = _deduped(base, coll)
             deduped = True
+    # The tables that do not depend on each other are written at once, from
+    # threads of this driver (Spark runs jobs of one session concurrently):
+    # on a small fleet each write is mostly fixed driver-side cost (planning,
+    # task launch, the commit protocol) that overlaps; on a large one they
+    # share the cores. The fault checkpoints stay in order, each after the
+    # writes it names have finished.
     pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fleet-write")
     try:
         try:
