@@ -39,6 +39,10 @@ DEFAULT_CONF: Final = {
 LOCAL_CONF: Final = {
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
+    # the throughput collector: a batch job on a few cores does not need
+    # G1's short pauses, and pays for its write barriers on every row (the
+    # 6.3 M-row build 61.1 -> 56.1 s, its floor 19.8 -> 18.2 s, one run each)
+    "spark.driver.extraJavaOptions": "-XX:+UseParallelGC",
 }
 LOOPBACK: Final = "127.0.0.1"
 
