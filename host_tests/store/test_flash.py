@@ -156,8 +156,7 @@ def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path
         assert sorted(files) == sorted(["lib/edgebroker.mpy", "lib/edgeconf.mpy",
                                         "lib/edgestore.mpy", "lib/edgeopen.mpy", "lib/gateway.mpy",
                                         "lib/gwboot.mpy", "lib/userapp.mpy", "boot.py", "main.py",
-                                        "board.json",
-                                        "secrets.json"]), bars
+                                        "board.json", "secrets.json"]), bars
         pcts = [pct for pct, _label in bars]
         assert pcts == sorted(set(pcts)) and pcts[-1] == 100 and pcts[-2] < 100, bars
         assert "edgebroker: stopped by Ctrl-C" in b.console()
