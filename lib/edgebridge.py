@@ -81,6 +81,8 @@ except ImportError:  # a port without random: no jitter beyond the clock
 
 # ---------------------------------------------------------------- 1. compat
 _crc32 = binascii.crc32
+_ticks_us = eb._ticks_us
+_ticks_diff = eb._ticks_diff
 # CPython: fdatasync where there is one (Linux): the data and the file size,
 # not the timestamps; MicroPython: flush() syncs (littlefs)
 _fsync = getattr(os, "fdatasync", None) or getattr(os, "fsync", None)
@@ -100,6 +102,10 @@ _HDR = const(8)
 _MHEAD = const(20)  # message body bytes before topic, props, payload
 _U32 = const(0xFFFFFFFF)
 _RA = const(8192)  # read-ahead of the drain (bytes of heap while it runs)
+# put() services the link (pump) when this long has passed since it last
+# did: the upstream's acknowledgements are answered within about this
+# delay while local packets keep the loop busy (see pump)
+_PUMP_US = const(30)
 
 
 def record(rt, body):
@@ -736,7 +742,7 @@ class Bridge:
         self.rmv = None  # the link's receive buffer (a session's)
         self.sacks = False  # a lane has acknowledged entries to settle
         self.lacks = False
-        self.nput = 0
+        self.tpump = 0  # _ticks_us() of put()'s last pump
         self.wnow = -1.0  # the engine's now_s when wall was read
         self.wall = 0
         self.rbuf = bytearray()
@@ -801,8 +807,9 @@ class Bridge:
 
         if not self.durable:
             self.eng.sdirty = True  # written at the turn's commit, not waited for
-        self.nput += 1
-        if self.nput & 7 == 0:
+        t = _ticks_us()
+        if _ticks_diff(t, self.tpump) >= _PUMP_US:
+            self.tpump = t
             self.pump()
         return True  # sendable after the commit, which wakes the link
 

@@ -42,13 +42,17 @@ except ImportError:  # CPython
         return x
 
 
-try:  # MicroPython: a wrapping millisecond tick
+try:  # MicroPython: wrapping millisecond and microsecond ticks
     from time import ticks_diff as _ticks_diff
     from time import ticks_ms as _ticks_ms
+    from time import ticks_us as _ticks_us
 except ImportError:  # CPython
 
     def _ticks_ms():
         return int(time.monotonic() * 1000)
+
+    def _ticks_us():
+        return time.monotonic_ns() // 1000
 
     def _ticks_diff(a, b):
         return a - b
@@ -2064,13 +2068,23 @@ class Engine:
             raise MqttError(_RC_MALFORMED, "QoS 3")  # MQTT-3.3.1-4
         if qos == 0 and dup:
             raise MqttError(_RC_MALFORMED, "DUP set on QoS 0")  # MQTT-3.3.1-2
-        tb, i = read_bin(b, i, end)
-        topic = check_utf8(tb)
+        # the topic and packet id read in line (read_bin, read_u16): this
+        # runs for every message
+        j = i + 2 + (b[i] << 8 | b[i + 1]) if end - i >= 2 else end + 1
+        if qos:
+            j += 2
+        if j > end:
+            raise MqttError(_RC_MALFORMED, "packet shorter than its fields")
         pid = 0
         if qos:
-            pid, i = read_u16(b, i, end)
+            pid = b[j - 2] << 8 | b[j - 1]
             if pid == 0:
                 raise MqttError(_RC_PROTOCOL, "packet identifier 0")  # MQTT-2.2.1-3
+            tb = bytes(b[i + 2 : j - 2])
+        else:
+            tb = bytes(b[i + 2 : j])
+        i = j
+        topic = check_utf8(tb)
         fwd = b""
         exp = 0
         if conn.ver == 5:
@@ -2089,7 +2103,7 @@ class Engine:
         if not topic:
             # 3.3.2.1: a zero-length topic without a Topic Alias
             raise MqttError(_RC_PROTOCOL, "empty topic name without Topic Alias")
-        if not valid_topic_name(topic):
+        if "+" in topic or "#" in topic:
             raise MqttError(_RC_BAD_TOPIC, "invalid topic name")  # MQTT-3.3.2-2
         cfg = self.cfg
         if (
@@ -2137,7 +2151,7 @@ class Engine:
         )
         wait = self.publish(msg, retain, sess)
         if qos:
-            ack = bytes((0x40 if qos == 1 else 0x50, 2)) + u16(pid)
+            ack = bytes((0x40 if qos == 1 else 0x50, 2, pid >> 8, pid & 0xFF))
             if wait and conn.defer is None:
                 conn.defer = []
                 self.deferred.append(conn)
@@ -2171,6 +2185,8 @@ class Engine:
                 if k.put(msg, retain, origin) and k.durable:
                     wait = True
                     self.sdirty = True
+        if not self.tree.root:
+            return wait  # no subscription at all: nothing to route
         topic = msg[_M_TOPIC]
         levels = topic.split("/")
         matched = None
