@@ -81,6 +81,7 @@ except ImportError:  # a port without random: no jitter beyond the clock
 
 # ---------------------------------------------------------------- 1. compat
 _crc32 = binascii.crc32
+_PREP_BYTES = eb._PREP_BYTES
 _ticks_us = eb._ticks_us
 _ticks_diff = eb._ticks_diff
 # CPython: fdatasync where there is one (Linux): the data and the file size,
@@ -687,6 +688,10 @@ class Bridge:
         self.next_pid = 0
         self.sendpos = self.q.cursor
         self.hiwater = self.q.end  # records before it may have been sent: DUP
+        # Packets made ahead (_prep): (offset, next offset, qos, packet id,
+        # message number, packet) for the records from sendpos on, in order
+        self.pre = []
+        self.preb = 0  # their bytes
         self.skipn = 0  # messages skipped since the last in-flight entry
         # Two lanes (see _fill): the slow lane is the file in order; while a
         # backlog is paced by replay_rate, the live lane sends the messages
@@ -834,6 +839,7 @@ class Bridge:
 
     def _moved(self, delta):
         # compaction moved every offset down by delta
+        self._unprep()
         self.sendpos -= delta
         self.hiwater = max(0, self.hiwater - delta)
         self.sfront = max(_HDR, self.sfront - delta)
@@ -909,8 +915,9 @@ class Bridge:
         self.eng.sdirty = True  # committed at the first turn
 
     # ------------------------------------------------------------ writing
-    def _publish(self, tb, qos, retain, pid, props, exp, payload, dup):
-        # written straight into the output buffer (the drain's hot path)
+    def _publish(self, tb, qos, retain, pid, props, exp, payload, dup, o=None):
+        # written straight into the output buffer (the drain's hot path), or
+        # into o (_prep: sent later, counted then)
         plen = len(props)
         if self.v5:
             if exp >= 0:
@@ -921,7 +928,9 @@ class Bridge:
             plen = 0
         tl = len(tb)
         n = 2 + tl + (2 if qos else 0) + len(pv) + plen + len(payload)
-        o = self.out
+        if o is None:
+            o = self.out
+            self.sent += 1
         first = 0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0)
         if n < 128:
             o += pack(">BBH", first, n, tl)  # the usual short packet: one pack
@@ -938,7 +947,6 @@ class Bridge:
                 o += pack(">BI", 0x02, exp)
             o += props
         o += payload
-        self.sent += 1
 
     def _pid(self):
         # the link's own packet ids (status, SUBSCRIBE): 65001..65535
@@ -1005,7 +1013,28 @@ class Bridge:
         split = self.split
         wall = None
         room = self.window - len(self.inflight) - len(self.linf)
+        pre = None if live else self.pre
         while room > 0 and pos < q.fend:
+            if pre:
+                x = pre[0]
+                if x[0] == pos:
+                    # made ahead by _prep: the record's packet as it is
+                    pid = x[3]
+                    if pid in self.pids:
+                        break  # its id is still in flight: wait for the ack
+                    pre.pop(0)
+                    self.preb -= len(x[5])
+                    e = [pid, pos, x[1], 0, self.skipn + 1, x[2], x[4], 0]
+                    self.skipn = 0
+                    inf.append(e)
+                    room -= 1
+                    self.pids[pid] = e
+                    self.out += x[5]
+                    self.sent += 1
+                    pos = x[1]
+                    continue
+                self._unprep()  # the position moved (drop_oldest): made again later
+                pre = None
             paced = rate and pos < self.lstart
             if paced and self.tokens < 1:
                 break
@@ -1078,6 +1107,44 @@ class Bridge:
             if paced:
                 self.tokens -= 1
         return pos
+
+    # >>> host only: _PREP_BYTES is 0 on a board, which never calls it
+    def _prep(self):
+        """Encodes the packets of the next records while the window is full,
+        so that the acknowledgements that open it are answered without
+        encoding first: the refill of a window is on the path of every
+        round trip, and the upstream waits while it runs. Only what a refill
+        would send unchanged: not with lanes or pacing, nor a latest-mode or
+        expiring record (their fate is decided when they go), nor a QoS 2
+        record past PUBREC. Bounded by _PREP_BYTES and by the window."""
+        pre = self.pre
+        if self.split or self.pace or self.preb >= _PREP_BYTES:
+            return
+        q = self.q
+        pos = pre[-1][1] if pre else self.sendpos
+        while pos < q.fend and self.preb < _PREP_BYTES and len(pre) < self.window:
+            rt, body, nxt = q.read(pos)
+            if rt != T_MSG:
+                return
+            m = decode_view(body)
+            if m is None:
+                return
+            qos, flags, exp, w, tb, props, payload, seq = m
+            if flags & (F_LATEST | F_EXP) or (qos == 2 and seq in q.rel):
+                return
+            if len(tb) + len(props) + len(payload) + 16 > self.upmax:
+                return
+            o = bytearray()
+            pid = seq % _PIDS + 1
+            self._publish(tb, qos, flags & F_RETAIN, pid, props, -1, payload, pos < self.hiwater, o)
+            pre.append((pos, nxt, qos, pid, seq, o))
+            self.preb += len(o)
+            pos = nxt
+
+    # <<< host only
+    def _unprep(self):
+        self.pre = []
+        self.preb = 0
 
     def _skip(self, live, inf, pos=0):
         # a message of this lane that is never sent: counted as done with
@@ -1340,6 +1407,7 @@ class Bridge:
         self.window = min(self.c["max_inflight"], props.get(0x21, 65535))
         self.maxqos = props.get(0x24, 2)
         self.upmax = props.get(0x27, 268435460)  # the upstream's Maximum Packet Size
+        self._unprep()  # made for the last connection (its DUP flags, its limits)
         self.up = True
         self.connects += 1
         self.err = ""
@@ -1576,6 +1644,8 @@ class Bridge:
             # rather than one scheduling round later in _serve
             self._fill(clock())
             self._flush()
+            if _PREP_BYTES:
+                self._prep()  # while the upstream works on what just left
 
     def pump(self):
         """Services the link between local packets: takes what the upstream

@@ -90,6 +90,10 @@ def _wallclock():
 # A thread that fsyncs beside the loop (CPython only, see Engine.commit);
 # MicroPython has none: there a commit writes and syncs in the loop.
 _Syncer = None
+# Bytes of upstream packets a bridge may encode ahead of its window
+# (edgebridge Bridge._prep); 0 on a board, where heap counts more than the
+# round trip it saves.
+_PREP_BYTES = 0
 
 if hasattr(select.poll(), "ipoll"):
     # MicroPython: ipoll yields (socket, event) without allocating a result
@@ -171,6 +175,8 @@ else:
     def _pending(sock):
         # decrypted bytes poll cannot see (TLS only)
         return sock.pending()
+
+    _PREP_BYTES = 4096
 
     class _Syncer:
         """Pipelined group commit (CPython): the loop writes a durable

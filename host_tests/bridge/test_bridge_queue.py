@@ -288,3 +288,120 @@ def test_local_publish_returns_once_its_bridge_copy_is_fsynced(tmp_path, monkeyp
     finally:
         b.stop()
         b.shutdown()
+
+
+class _UpSock:
+    """The upstream end of a bridge link in process: keeps what is sent,
+    has nothing to read (the test hands acknowledgements in itself)."""
+
+    def __init__(self):
+        self.sent = bytearray()
+
+    def send(self, data):
+        self.sent += data
+        return len(data)
+
+    def recv_into(self, mv):
+        raise BlockingIOError
+
+
+def _publishes(data):
+    # (dup, qos, packet id, topic, payload) of each MQTT 5 PUBLISH in data
+    out = []
+    i = 0
+    while i < len(data):
+        first, n = data[i], data[i + 1]  # short packets only (< 128 B)
+        body = bytes(data[i + 2 : i + 2 + n])
+        tl = body[0] << 8 | body[1]
+        topic = body[2 : 2 + tl]
+        pid = body[2 + tl] << 8 | body[3 + tl]
+        plen = body[4 + tl]
+        out.append((first >> 3 & 1, first >> 1 & 3, pid, topic, body[5 + tl + plen :]))
+        i += 2 + n
+    return out
+
+
+def test_packets_made_ahead_go_out_as_the_refill_would_send_them(tmp_path):
+    """Bridge._prep (CPython) encodes the next records while the window is
+    full; the acknowledgements that open it take those packets. What leaves
+    is what the refill would send without them: every message once, in file
+    order (per-topic order, issue's replay rule), packet id from its message
+    number, no DUP on a first send (MQTT-3.3.1-1); and a compaction that
+    moves the offsets discards what was made, so nothing stale is sent."""
+    import edgebroker as eb
+    from mqtt_helpers import free_port
+
+    assert eb._PREP_BYTES > 0  # CPython; a board makes nothing ahead
+    prof = {"storage_type": "disc_only", "log_level": "error", "bridges": [{
+        "name": "cloud", "host": "127.0.0.1", "port": free_port(),  # nobody there
+        "topics": [{"pattern": "sensors/#", "qos": 1, "remote_prefix": "r/"}]}]}
+    b = eb.start(prof, "127.0.0.1", free_port(), str(tmp_path))
+    try:
+        br = b.engine.sinks[0]
+        for i in range(30):
+            b.publish("sensors/%d" % (i % 3), b"v%d" % i, 1)
+        up = _UpSock()
+        br.sock, br.up, br.window, br.v5 = up, True, 5, True
+        br.rmv = memoryview(bytearray(4096))
+
+        def ack_all():
+            for e in list(br.inflight):
+                br.rbuf += b"\x40\x02" + bytes((e[0] >> 8, e[0] & 0xFF))
+            br._took(0, b.clock, True)
+
+        br._took(0, b.clock, True)  # the first window leaves, the next is made
+        assert len(br.inflight) == 5 and len(br.pre) == 5
+        made = [bytes(x[5]) for x in br.pre]
+        ack_all()  # taken from what was made
+        assert bytes(up.sent).endswith(b"".join(made))
+        ack_all()
+        # a compaction moves every offset: what was made is dropped, and the
+        # refill after it encodes from the file again
+        assert br.pre
+        br.q.compact()
+        assert br.pre == [] and br.preb == 0
+        ack_all()
+        while br.inflight:
+            ack_all()
+        got = _publishes(up.sent)
+        assert [(g[3], g[4]) for g in got] == [
+            (b"r/sensors/%d" % (i % 3), b"v%d" % i) for i in range(30)
+        ]
+        assert all(g[0] == 0 and g[1] == 1 for g in got)  # no DUP, QoS 1
+        assert len({g[2] for g in got}) == 30
+        assert br.q.count == 0 and br.pre == []
+    finally:
+        b.stop()
+        b.shutdown()
+
+
+def test_packets_made_ahead_are_dropped_when_drop_oldest_passes_them(tmp_path):
+    """when_full drop_oldest moves the cursor past records that were made
+    ahead: the refill notices its position moved, drops what was made and
+    sends from the new cursor (the dropped messages never leave)."""
+    import edgebroker as eb
+    from mqtt_helpers import free_port
+
+    prof = {"storage_type": "disc_only", "log_level": "error", "bridges": [{
+        "name": "cloud", "host": "127.0.0.1", "port": free_port(),
+        "topics": [{"pattern": "sensors/#", "qos": 1}]}]}
+    b = eb.start(prof, "127.0.0.1", free_port(), str(tmp_path))
+    try:
+        br = b.engine.sinks[0]
+        for i in range(20):
+            b.publish("sensors/a", b"v%d" % i, 1)
+        up = _UpSock()
+        br.sock, br.up, br.window, br.v5 = up, True, 4, True
+        br.rmv = memoryview(bytearray(4096))
+        br._took(0, b.clock, True)
+        assert len(br.pre) == 4
+        for _ in range(10):  # the 4 in flight and 6 behind them, 4 of which were made
+            br.q._drop_first()
+        for e in list(br.inflight):
+            br.rbuf += b"\x40\x02" + bytes((e[0] >> 8, e[0] & 0xFF))
+        br._took(0, b.clock, True)
+        got = [g[4] for g in _publishes(up.sent)]
+        assert got == [b"v%d" % i for i in (0, 1, 2, 3, 10, 11, 12, 13)]
+    finally:
+        b.stop()
+        b.shutdown()
