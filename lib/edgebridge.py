@@ -431,7 +431,7 @@ class Queue:
         blen = _MHEAD + tl + pl + len(payload)
         # room for the record and the cursor record the next commit may add
         n = blen + 26
-        if self.nbytes + n > self.budget:
+        if self.fend + len(self.wb) - self.cursor + n > self.budget:  # nbytes, in line
             if not self.drop_oldest or n > self.budget:
                 self.drops += 1
                 return False
@@ -795,19 +795,20 @@ class Bridge:
             else:
                 self.dropped0 += 1
             return False
-        pos = self.q.end
+        q = self.q
         if self.pace and not self.split:
             self._mark(tb)
         if latest:
             flags |= F_LATEST
+            pos = q.end  # where its record goes
         now = self.eng.now_s
         if now != self.wnow:
             # the wall clock once per turn (whole seconds: the queue's unit)
             self.wnow = now
             self.wall = eb._wallclock() or 0
-        if not self.q.append(qos, flags, exp, self.wall, tb, msg[4], msg[2]):
+        if not q.append(qos, flags, exp, self.wall, tb, msg[4], msg[2]):
             return False
-        if flags & F_LATEST:
+        if latest:
             self._latest_at(tb, pos)
 
         if not self.durable:
