@@ -2081,16 +2081,14 @@ class Engine:
             j += 2
         if j > end:
             raise MqttError(_RC_MALFORMED, "packet shorter than its fields")
+        tb = bytes(b[i + 2 : j - 2] if qos else b[i + 2 : j])
+        topic = check_utf8(tb)
         pid = 0
         if qos:
             pid = b[j - 2] << 8 | b[j - 1]
             if pid == 0:
                 raise MqttError(_RC_PROTOCOL, "packet identifier 0")  # MQTT-2.2.1-3
-            tb = bytes(b[i + 2 : j - 2])
-        else:
-            tb = bytes(b[i + 2 : j])
         i = j
-        topic = check_utf8(tb)
         fwd = b""
         exp = 0
         if conn.ver == 5:
