@@ -48,7 +48,14 @@ class RamDev:
                 n = len(buf) // 2
                 self.data[a:a + n] = buf[:n]
                 self.writes += 1
-            raise OSError(5)  # EIO: the power is gone
+            # The power is gone: nothing after the cut reaches the device,
+            # as on a board that lost power (later writes are dropped, reads
+            # answer nothing). Failing every later write instead sent
+            # littlefs down its error paths again and again while the store
+            # cleaned up, and the MicroPython 1.29 unix port crashed there
+            # (SIGSEGV) in about one run in 80 (2026-11-26).
+            self.dead = True
+            raise OSError(5)  # EIO
         self.writes += 1
 
     def readblocks(self, block, buf, off=0):
