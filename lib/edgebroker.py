@@ -2871,8 +2871,12 @@ class Engine:
         if n >= len(o):
             conn.out = None
             sess = conn.sess
-            if sess is not None and (sess.rq or conn.resend) and sess not in self.busy:
-                self.busy.append(sess)  # drained: paced delivery goes on
+            # drained: paced delivery goes on, and so do messages queued while
+            # the buffer was over max_outbuf (with nothing in flight, no
+            # acknowledgement would come to move them)
+            if sess is not None and (sess.rq or sess.queue or conn.resend):
+                if sess not in self.busy:
+                    self.busy.append(sess)
             return True
         if n:
             o[0:n] = b""

@@ -817,6 +817,8 @@ def test_reconnect_resend_is_paced_by_max_outbuf_in_order_MQTT_4_4_0_1_and_4_6()
         got = split(bytes(c.out) if c.out else b"") if c.out else []
         if got:
             s.held = []
+    if c.out:
+        eng.sent(c, len(c.out))  # the last bytes read above are taken
     resent = seen[:6]
     assert [(m.payload[:1], m.pid, m.dup) for m in resent] == [
         (m.payload[:1], m.pid, 1) for m in first], resent
@@ -1808,3 +1810,25 @@ def test_regression_4_local_publish_topic_with_null_character_MQTT_1_5_4_2():
         assert str(e).startswith("topic")
         return
     raise AssertionError("accepted and sent %r" % (s.out(),))
+
+
+def test_regression_6_queued_qos1_goes_when_the_buffer_drains_MQTT_4_6():
+    # A QoS 1 message queued only because the subscriber's send buffer was
+    # over max_outbuf (nothing in flight, so no PUBACK will come to pump the
+    # queue) leaves once the server reports the buffer sent, at the next
+    # turn: it must not wait for some later event.
+    eng = mk(max_outbuf=256, max_inflight=8)
+    s = Peer(eng, "s")
+    s.sub("b", 0)
+    s.send(subscribe(2, [("a", 1)]))
+    assert s.packets()[0][0] == 0x90
+    p = Peer(eng, "p")
+    p.send(publish("b", b"x" * 300))               # QoS 0: the buffer goes over 256
+    assert s.c.out_len() > 256
+    p.send(publish("a", b"q", 1, 7))               # queued: the buffer is over max_outbuf
+    assert [f >> 4 for f, _ in p.packets()] == [4]  # the publisher's PUBACK
+    first = s.msgs()                               # the server sends it all
+    assert [m.payload for m in first] == [b"x" * 300]
+    eng.turn(T0 + 0.1)
+    got = s.msgs()
+    assert [(m.payload, m.qos) for m in got] == [(b"q", 1)]
