@@ -1016,77 +1016,68 @@ class Bridge:
         room = self.window - len(self.inflight) - len(self.linf)
         pre = None if live else self.pre
         while room > 0 and pos < q.fend:
-            if pre:
-                x = pre[0]
-                if x[0] == pos:
-                    # made ahead by _prep: the record's packet as it is
-                    pid = x[3]
-                    if pid in self.pids:
-                        break  # its id is still in flight: wait for the ack
-                    pre.pop(0)
-                    self.preb -= len(x[5])
-                    e = [pid, pos, x[1], 0, self.skipn + 1, x[2], x[4], 0]
-                    self.skipn = 0
-                    inf.append(e)
-                    room -= 1
-                    self.pids[pid] = e
-                    self.out += x[5]
-                    self.sent += 1
-                    pos = x[1]
-                    continue
-                self._unprep()  # the position moved (drop_oldest): made again later
-                pre = None
             paced = rate and pos < self.lstart
             if paced and self.tokens < 1:
                 break
             if len(self.out) > 65536:
                 break  # the socket is behind: fill again when it drains
             at = pos
-            rt, body, nxt = q.read(at)
-            if rt is None:
-                pos = q.fend  # unreadable: nothing more to send
-                break
-            pos = nxt
-            if rt != T_MSG:
-                continue
-            m = decode_view(body)
-            if m is None:
-                self._skip(live, inf)
-                continue
-            qos, flags, exp, w, tb, props, payload, seq = m
-            if split and (live or at >= self.sstart) and self._slow(tb) == live:
-                # the other lane's message (it counts it): a slow-lane topic
-                # seen by the live lane or the reverse; with nothing in
-                # flight here, this lane's front passes it
-                if not inf:
-                    if live:
-                        self.lfront = pos
-                    else:
-                        self.sfront = pos
-                continue
-            if len(tb) + len(props) + len(payload) + 16 > self.upmax:
-                # MQTT-3.1.2-24: never sent (it would end the link for good)
-                self.toolarge += 1
-                self._skip(live, inf, pos)
-                continue
-            if flags & F_LATEST and self._superseded(bytes(tb), at):
-                self.lskip += 1
-                self._skip(live, inf, pos)
-                continue
-            if flags & F_EXP:
-                if wall is None:
-                    wall = eb._wallclock() or 0
-                if w and wall:
-                    exp -= wall - w  # its lifetime went on while queued
-                if exp <= 0:
-                    self._skip(live, inf, pos)  # expired in the queue: never sent
+            pkt = None
+            if pre:
+                x = pre[0]
+                if x[0] == at:
+                    # made ahead by _prep: checked and encoded already
+                    nxt, qos, pid, seq, pkt = x[1], x[2], x[3], x[4], x[5]
+                else:
+                    self._unprep()  # the position moved (drop_oldest): made again later
+                    pre = None
+            if pkt is None:
+                rt, body, nxt = q.read(at)
+                if rt is None:
+                    pos = q.fend  # unreadable: nothing more to send
+                    break
+                pos = nxt
+                if rt != T_MSG:
                     continue
-            else:
-                exp = -1
-            pid = seq % _PIDS + 1
+                m = decode_view(body)
+                if m is None:
+                    self._skip(live, inf)
+                    continue
+                qos, flags, exp, w, tb, props, payload, seq = m
+                if split and (live or at >= self.sstart) and self._slow(tb) == live:
+                    # the other lane's message (it counts it): a slow-lane topic
+                    # seen by the live lane or the reverse; with nothing in
+                    # flight here, this lane's front passes it
+                    if not inf:
+                        if live:
+                            self.lfront = pos
+                        else:
+                            self.sfront = pos
+                    continue
+                if len(tb) + len(props) + len(payload) + 16 > self.upmax:
+                    # MQTT-3.1.2-24: never sent (it would end the link for good)
+                    self.toolarge += 1
+                    self._skip(live, inf, pos)
+                    continue
+                if flags & F_LATEST and self._superseded(bytes(tb), at):
+                    self.lskip += 1
+                    self._skip(live, inf, pos)
+                    continue
+                if flags & F_EXP:
+                    if wall is None:
+                        wall = eb._wallclock() or 0
+                    if w and wall:
+                        exp -= wall - w  # its lifetime went on while queued
+                    if exp <= 0:
+                        self._skip(live, inf, pos)  # expired in the queue: never sent
+                        continue
+                else:
+                    exp = -1
+                pid = seq % _PIDS + 1
             if pid in self.pids:
                 pos = at  # its id is still in flight: wait for the ack
                 break
+            pos = nxt
             if live:
                 e = [pid, at, nxt, 0, self.lskipn + 1, qos, seq, 1]
                 self.lskipn = 0
@@ -1097,7 +1088,12 @@ class Bridge:
             inf.append(e)
             room -= 1
             self.pids[pid] = e
-            if qos == 2 and seq in q.rel:
+            if pkt is not None:
+                pre.pop(0)
+                self.preb -= len(pkt)
+                self.out += pkt
+                self.sent += 1
+            elif qos == 2 and seq in q.rel:
                 # PUBREC came before a restart: only PUBREL is left (4.3.3)
                 e[_I_ACK] = 2
                 self.out += b"\x62\x02" + eb.u16(pid)
