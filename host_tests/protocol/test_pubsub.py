@@ -654,6 +654,44 @@ def test_fan_out_to_many_subscribers(broker):
         s.disconnect()
 
 
+def test_qos1_queued_behind_a_full_buffer_leaves_when_the_reader_drains_MQTT_4_6(
+    broker_factory, request
+):
+    """A QoS 1 message that waits in a subscriber's queue only because the
+    broker's send buffer to it is over max_outbuf, with nothing of it in
+    flight (so no PUBACK will come to move the queue), is sent once the
+    subscriber reads again and the buffer drains. (Defect: it waited for
+    some later event; engine vector test_regression_6.)"""
+    from mqtt_helpers import PUBLISH, parse_publish
+
+    b = start_broker(broker_factory, request, mosq=[], max_outbuf=256)
+    slow = SlowReader(b.port, rcvbuf=2048, version=4)
+    pub = raw_connect(b.port, "fill-pub", version=4)
+    try:
+        assert slow.connect("slowq").reason == 0
+        assert slow.subscribe([("f/#", 0), ("q/t", 1)]) == [0, 1]
+        # QoS 0 until loopback's buffers and the broker's are full (the
+        # rest is dropped, counted): bounded, 6.5 MB
+        big = b"." * 8192
+        for _ in range(800):
+            pub.send(publish_packet("f/t", big, version=4))
+        assert pub.publish("q/t", b"queued", qos=1, pid=9) == 0
+        got = None
+        deadline = time.monotonic() + 30
+        while got is None and time.monotonic() < deadline:
+            p = slow.read_packet(max(0.1, deadline - time.monotonic()))
+            if p is None:
+                break
+            if p.ptype == PUBLISH:
+                m = parse_publish(p.flags, p.body, 4)
+                if m.topic == "q/t":
+                    got = m
+        assert got is not None and got.payload == b"queued" and got.qos == 1
+    finally:
+        pub.close()
+        slow.close()
+
+
 def test_slow_qos0_reader_bounded_other_subscriber_unaffected(broker_factory, request):
     """A subscriber that never reads (tiny socket buffer) does not stall
     the broker or other clients: with max_outbuf=16384 the QoS 0 messages
