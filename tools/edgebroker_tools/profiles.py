@@ -519,17 +519,17 @@ _WORD_SIZE_FREE: Final = ("retained.disc_only.per_message",)
 #: Which measured 32-bit ratio (memory_costs.json "costs_32bit", made by
 #: edgebroker_tools.measure32 on the npm WebAssembly MicroPython) scales a
 #: 64-bit figure: its own kind where measured (import_mpy.edgebroker,
-#: per_connection, ...), every import figure of a module by that module's
-#: import ratio, and these by a kind alike.
+#: per_connection, message_overhead, ...), every import figure of a module by
+#: that module's import ratio, and these by a kind alike. An overhead (a
+#: message beyond its payload and topic bytes) has a ratio of its own, not
+#: its total's: the bytes of payload and topic do not shrink on 32 bits.
 _ALIKE: Final = {
     "import_mpy_firmware.gateway": "import_mpy.edgebroker",
     "import_mpy_firmware.gwboot": "import_mpy.edgebroker",
     "broker_idle": "engine_idle",
     "per_queued_message_256": "per_queued_message",
-    "message_overhead": "per_queued_message",
-    "retained.ram.overhead": "retained.ram.per_message",
     "retained.disc.per_message": "retained.ram.per_message",
-    "retained.disc.overhead": "retained.ram.per_message",
+    "retained.disc.overhead": "retained.ram.overhead",
 }
 _IMPORT_FIGURES: Final = ("import_py", "import_romfs", "min_heap_import_mpy", "min_heap_import_py")
 
