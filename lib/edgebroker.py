@@ -1199,7 +1199,7 @@ _R_IT = const(0)  # iterator over the store's matches
 _R_OPTS = const(1)  # subscription options byte
 _R_SID = const(2)  # Subscription Identifier or 0
 _R_FILT = const(3)  # the filter (UNSUBSCRIBE ends its delivery)
-_R_HELD = const(4)  # a message taken from the iterator, waiting for the window
+_R_HELD = const(4)  # a message taken from the iterator, waiting for the window or the buffer
 # A delayed will (Engine.wills):
 _W_AT = const(0)  # broker second it is due
 _W_SESS = const(1)
@@ -1346,6 +1346,14 @@ class Conn:
         o = self.out
         return 0 if o is None else len(o)
 
+    def fits(self, n, limit):
+        # A delivery of about n bytes may go out now: the buffer is empty
+        # (a packet larger than max_outbuf still leaves, alone) or keeps
+        # within limit (max_outbuf) with it. So deliveries never hold more
+        # than max(max_outbuf, one packet): Engine.write()'s bound.
+        o = self.out
+        return not o or len(o) + n <= limit
+
 
 # ---------------------------------------------------------------- 8. engine
 class Engine:
@@ -1479,14 +1487,17 @@ class Engine:
         if conn.closed:
             return
         o = self.outbuf(conn)
-        # what one send buffer may ever hold: deliveries wait past max_outbuf
-        # (one packet may go over), acks and ping responses have max_outbuf
-        # more (the memory model counts exactly this: tools' profiles.py).
-        # Checked here, not when the socket takes bytes: the socket of a
-        # client that sends and never reads never becomes writable. (The
-        # bound is computed here, not kept: one more Engine attribute grew
-        # its attribute table, 96 B of heap on a 32-bit board, measured.)
-        if len(o) + len(data) > 2 * self.max_outbuf + self.max_packet:
+        # what one send buffer may ever hold: a delivery goes out only into
+        # an empty buffer or one it leaves within max_outbuf (fits()), so
+        # deliveries hold at most max(max_outbuf, one packet); acks and ping
+        # responses have max_outbuf more (the memory model counts exactly
+        # this: tools' profiles.py). Checked here, not when the socket takes
+        # bytes: the socket of a client that sends and never reads never
+        # becomes writable. (The bound is computed here, not kept: one more
+        # Engine attribute grew its attribute table, 96 B of heap on a
+        # 32-bit board, measured.)
+        m = self.max_outbuf
+        if len(o) + len(data) > (m if m > self.max_packet else self.max_packet) + m:
             self.refuse("slow_reader", "client %s not reading, closed", conn.cid)
             self.close(conn, True)
             return
@@ -1975,15 +1986,18 @@ class Engine:
         MQTT-3.1.2-25) is released: it must not hold the window for good."""
         inflight = sess.inflight
         k = len(inflight) - conn.resend
-        while conn.resend and conn.out_len() <= self.max_outbuf:
+        while conn.resend:
             ent = inflight[k]
+            m = ent[_F_MSG]
+            if not conn.fits(4 if m is None else msg_size(m), self.max_outbuf):
+                break
             conn.resend -= 1
-            if ent[_F_MSG] is None:  # PUBREL sent before
+            if m is None:  # PUBREL sent before
                 self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
             else:
                 qr = ent[_F_QR]
                 if not self.encode_publish(
-                    conn, ent[_F_MSG], qr >> 1, qr & 1, ent[_F_PID], ent[_F_SIDS], True
+                    conn, m, qr >> 1, qr & 1, ent[_F_PID], ent[_F_SIDS], True
                 ):
                     inflight.pop(k)
                     continue
@@ -2352,20 +2366,23 @@ class Engine:
             if qos:
                 self.enqueue(sess, q_entry(msg, qos, retain, sids))
             return
+        # Conn.fits(), in line: the buffer is empty or keeps within
+        # max_outbuf with this message
+        o = conn.out
+        wait = (
+            o
+            and len(o) + len(msg[_M_TB]) + len(msg[_M_PAYLOAD]) + len(msg[_M_PROPS])
+            > self.max_outbuf
+        )
         if qos == 0:
-            if conn.out_len() > self.max_outbuf:
+            if wait:
                 # a slow reader loses QoS 0 messages, counted; others unaffected
                 self.n_dropped += 1
                 self.refuse("slow_reader", "client %s", conn.cid)
                 return
             self.encode_publish(conn, msg, 0, retain, 0, sids, False)
             return
-        if (
-            sess.queue
-            or len(sess.inflight) >= conn.window
-            or conn.out_len() > self.max_outbuf
-            or conn.resend
-        ):
+        if sess.queue or len(sess.inflight) >= conn.window or wait or conn.resend:
             self.enqueue(sess, q_entry(msg, qos, retain, sids))
             if len(sess.queue) >= self.hw:
                 self.mark(sess)
@@ -2490,18 +2507,22 @@ class Engine:
             sess.inflight = []  # grown here, so the name below stays the list
         inflight = sess.inflight
         limit = self.max_outbuf
-        while q and len(inflight) < conn.window and conn.out_len() <= limit:
-            ent = q.pop(0)
+        while q and len(inflight) < conn.window:
+            ent = q[0]
             if type(ent) is list:
                 msg, qos, retain, sids = ent
             else:
                 msg, qos, retain, sids = ent, ent[_M_QOS], 0, None
-            sess.qbytes -= msg_size(msg)
+            size = msg_size(msg)
+            if not conn.fits(size, limit):
+                break
+            q.pop(0)
+            sess.qbytes -= size
             self.send_inflight(sess, conn, msg, qos, retain, sids)
         if sess.hw and len(q) <= self.lw:
             self.unmark(sess)
         rq = sess.rq
-        while rq and conn.out_len() <= limit and not q:
+        while rq and not q:
             ent = rq[0]
             m = ent[_R_HELD]
             if m is None:
@@ -2514,6 +2535,11 @@ class Engine:
                     continue  # its lifetime has passed (E1)
                 if sess.acl is not None and not self.auth.may(sess.acl, m[_M_TOPIC], 1):
                     continue  # retained messages obey the read rules
+            if not conn.fits(msg_size(m), limit):
+                # waits for the buffer to drain (sent() resumes it), held
+                # like a message waiting for the window
+                ent[_R_HELD] = m
+                return
             qos = m[_M_QOS] if m[_M_QOS] < ent[_R_OPTS] & 3 else ent[_R_OPTS] & 3
             sids = [ent[_R_SID]] if ent[_R_SID] else None
             if qos:

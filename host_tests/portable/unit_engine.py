@@ -851,10 +851,10 @@ def test_reconnect_ack_before_its_resend_releases_it_MQTT_4_4_0_1():
 def test_client_that_never_reads_is_cut_off_at_its_buffer_bound():
     # acks and ping responses pile up for a client that sends and never
     # reads (its socket never becomes writable, so sent() is never called):
-    # the buffer stays within 2 x max_outbuf + max_packet_size and the
-    # connection is closed, counted under refusals slow_reader
+    # the buffer stays within max(max_outbuf, max_packet_size) + max_outbuf
+    # and the connection is closed, counted under refusals slow_reader
     eng = mk(max_outbuf=256, max_packet_size=1024)
-    cap = 2 * 256 + 1024
+    cap = 1024 + 256
     c = Peer(eng, "pinger", v=4)
     for i in range(2000):
         c.send(h("c0 00"))
@@ -1810,6 +1810,42 @@ def test_regression_4_local_publish_topic_with_null_character_MQTT_1_5_4_2():
         assert str(e).startswith("topic")
         return
     raise AssertionError("accepted and sent %r" % (s.out(),))
+
+
+def test_a_delivery_goes_into_an_empty_buffer_or_one_it_fits_in():
+    # The send buffer's bound (what config check counts for a client):
+    # a delivery leaves only into an empty buffer (then a packet larger
+    # than max_outbuf goes alone) or one that stays within max_outbuf with
+    # it, so deliveries hold at most max(max_outbuf, one packet). A QoS 0
+    # message that does not fit is dropped (counted slow_reader); QoS 1
+    # waits in the queue and leaves, in order, as the buffer drains (4.6).
+    eng = mk(max_outbuf=256, max_packet_size=1024, max_inflight=8)
+    s = Peer(eng, "s")
+    s.sub("z", 0)
+    s.sub("q", 1)
+    p = Peer(eng, "p")
+    p.send(publish("z", b"a" * 600))               # empty buffer: goes alone
+    assert 600 < s.c.out_len() < 700
+    p.send(publish("z", b"b" * 10))                # does not fit: dropped
+    assert eng.refusals.get("slow_reader") == 1
+    assert [m.payload for m in s.msgs()] == [b"a" * 600]
+    p.send(publish("z", b"c" * 150))               # empty: goes
+    p.send(publish("z", b"d" * 150))               # 150 + 150 > 256: dropped
+    assert eng.refusals.get("slow_reader") == 2
+    assert s.c.out_len() <= 256
+    for i in range(4):                             # QoS 1: wait, never dropped
+        p.send(publish("q", b"%d" % i + b"." * 149, 1, i + 1))
+        assert s.c.out_len() <= 256, s.c.out_len()
+    got = [m.payload[:1] for m in s.msgs()]
+    for _ in range(8):
+        eng.turn(T0 + 0.1)
+        more = s.msgs()
+        if not more:
+            break
+        assert len(more) == 1                      # one 150-byte packet a drain
+        got += [m.payload[:1] for m in more]
+    assert got == [b"c", b"0", b"1", b"2", b"3"], got
+    assert eng.refusals.get("slow_reader") == 2
 
 
 def test_regression_6_queued_qos1_goes_when_the_buffer_drains_MQTT_4_6():

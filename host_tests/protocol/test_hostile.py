@@ -328,7 +328,7 @@ def test_client_that_never_reads_is_closed_at_its_buffer_bound(broker_factory, i
     every PINGRESP in the broker's send buffer: the bound was checked only
     when the socket took bytes, which for such a client it never does (the
     CPython broker grew by 76 MB in 20 s). Now the buffer is bounded at
-    2 x max_outbuf + max_packet_size (what `config check` counts) and the
+    max(max_outbuf, max_packet_size) + max_outbuf (what `config check` counts) and the
     client is closed, counted under refusals slow_reader; others are served."""
     b = broker_factory(max_outbuf=256, max_packet_size=1024)
     requires_edgebroker(b)

@@ -434,8 +434,11 @@ with heap_bytes scaled the other way (x1.54) and tests it.
     client    = per_connection
               + max_subscriptions x per_subscription
               + (max_inflight + max_queued + 1 will) x message
-              + 2 x max_outbuf + max_packet_size   (output buffer: deliveries wait past
-                                                max_outbuf, one packet may go over; acks
+              + max(max_outbuf, max_packet_size)
+              + max_outbuf                     (output buffer: a delivery goes into an
+                                                empty buffer, or one it leaves within
+                                                max_outbuf, so deliveries hold at most
+                                                max(max_outbuf, one packet); acks
                                                 and ping responses have max_outbuf more;
                                                 a client past it all is closed)
               + max_packet_size                (an inbound packet still incomplete)
@@ -657,8 +660,9 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
         _cost(costs, "per_connection")
         + subs
         + (window + 1) * msg
-        + 2 * int(cfg["max_outbuf"])
-        + 2 * packet
+        + max(int(cfg["max_outbuf"]), packet)
+        + int(cfg["max_outbuf"])
+        + packet
     )
     n_clients = int(cfg["max_clients"])
     items.append(
