@@ -386,3 +386,25 @@ def test_a_32bit_board_pays_each_module_import_as_measured_on_32_bits():
         for m in ("edgebroker", "edgestore", "edgebridge"):
             assert got[m] == want(m), (word, m)
     assert {"edgebroker.py", "edgestore.py", "edgebridge.py"} <= set(costs["lib_sha256"])
+
+
+def test_a_32bit_board_scales_a_message_overhead_by_the_overheads_ratio():
+    """A message's overhead (beyond its payload and its topic as str and
+    bytes, which are the same bytes on every port) is scaled to 32 bits by
+    the measured ratio of the overheads themselves (costs_32bit
+    message_overhead, retained.ram.overhead), not by the whole message's:
+    that ratio, applied to the overhead alone, counted it about 45 B high."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from edgebroker_tools import profiles
+
+    costs = json.loads((REPO / "boards" / "memory_costs.json").read_text())
+    figures = costs["costs_32bit"]["figures"]
+    c64 = costs["costs"]
+    c32 = profiles.for_word_size(costs, {"word_bytes": 4})["costs"]
+    over = figures["message_overhead"]
+    assert over["ratio"] < figures["per_queued_message"]["ratio"]
+    assert c32["message_overhead"] == round(c64["message_overhead"] * over["ratio"])
+    ram = figures["retained.ram.overhead"]
+    for store in ("ram", "disc"):
+        assert c32["retained"][store]["overhead"] == round(
+            c64["retained"][store]["overhead"] * ram["ratio"]), store
