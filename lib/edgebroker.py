@@ -3532,18 +3532,34 @@ class Broker:
             return False
         if n == 0 or (n < 0 and not always):
             return False  # EOF, or nothing waiting from a quiet client: close now
+        ent = None
         try:
-            s.shutdown(_SHUT_WR)  # CPython: FIN now (MicroPython has no shutdown)
-        except (AttributeError, OSError):
-            pass
-        now = self.clock()
-        ent = [now + _DRAIN_S, s, now + _QUIET_S]
-        self.draining.append(ent)
-        if self._async:
-            _asyncio().create_task(self._drainer(ent))
-        else:
-            self.poller.register(s, select.POLLIN)
-            self.drains[_key(s)] = ent
+            try:
+                s.shutdown(_SHUT_WR)  # CPython: FIN now (MicroPython has no shutdown)
+            except (AttributeError, OSError):
+                pass
+            now = self.clock()
+            ent = [now + _DRAIN_S, s, now + _QUIET_S]
+            self.draining.append(ent)
+            if self._async:
+                _asyncio().create_task(self._drainer(ent))
+            else:
+                self.poller.register(s, select.POLLIN)
+                self.drains[_key(s)] = ent
+        except MemoryError:
+            # A graceful close needs a little heap (its entry, a task); a
+            # connection is often closed because the heap ran out. Then the
+            # caller closes the socket at once: a client still writing may
+            # see a reset, but no socket is left open (a board has ten).
+            if ent is not None and ent in self.draining:
+                self.draining.remove(ent)
+                if not self._async:
+                    self.drains.pop(_key(s), None)
+                    try:
+                        self.poller.unregister(s)
+                    except (OSError, ValueError, KeyError):
+                        pass
+            return False
         return True
 
     def _drain_read(self, ent):
@@ -3574,21 +3590,26 @@ class Broker:
             pass
 
     async def _drainer(self, ent):
+        # Reads and drops what the peer still sends, looking every 50 ms
+        # (a literal: a new global name would be a new qstr): no wait_for, which on MicroPython loads a submodule
+        # at its first use (2.7 KB on the ESP32 port's 1.16) and makes a
+        # task a call; a close is often the answer to a heap that ran out.
+        # A MemoryError here just ends the linger: the socket closes.
         aio = _asyncio()
         s = ent[1]
         try:
             while ent in self.draining:
                 now = self.clock()
-                left = min(ent[0], ent[2]) - now
-                if left <= 0:
+                if now >= ent[0] or now >= ent[2]:
                     break
-                await aio.wait_for(_io_wait(s, False), left)
                 n = _recv_into(s, self.rmv)
                 if n == 0:
                     break
                 if n > 0:
                     ent[2] = self.clock() + _QUIET_S
-        except (OSError, aio.TimeoutError):
+                    continue  # more may be waiting already
+                await aio.sleep(0.05)
+        except (OSError, MemoryError):
             pass
         finally:
             _io_forget(s)
@@ -3852,15 +3873,19 @@ class Broker:
             self.engine.refuse("memory", "MemoryError serving %s", conn.cid)
             self.engine.close(conn, True)
         finally:
-            if not conn.closed:
-                self.engine.lost(conn, self.clock())
-            if conn.io is not None:
-                if conn.wait is not None:
-                    _io_stop((conn.wait,), s)
-                    conn.wait = None
-                _io_forget(s)
-                self._close_io(conn)
-            self._wake.set()
+            try:
+                if not conn.closed:
+                    self.engine.lost(conn, self.clock())
+            finally:
+                # the socket is released whatever the engine's part raised
+                # (a MemoryError while the heap is short): a board has ten
+                if conn.io is not None:
+                    if conn.wait is not None:
+                        _io_stop((conn.wait,), s)
+                        conn.wait = None
+                    _io_forget(s)
+                    self._close_io(conn)
+                self._wake.set()
 
     async def _writer(self, conn):
         # only while the socket is full: the reader keeps reading meanwhile

@@ -26,6 +26,7 @@ from mqtt_helpers import (
     RawClient,
     board_heap_64,
     connect_packet,
+    free_port,
     prop_pair,
     prop_u32,
     puback,
@@ -371,3 +372,53 @@ def test_client_that_never_reads_is_closed_at_its_buffer_bound(broker_factory, i
         assert c.connect("after").reason == 0
         c.send(b"\xc0\x00")
         assert c.expect(13, 5)
+
+
+LINGER_SCRIPT = r"""
+import sys, time, socket, gc, micropython
+sys.path.insert(0, LIB)
+import edgebroker as eb
+
+addr = socket.getaddrinfo("127.0.0.1", PORT)[0][-1]
+lst = socket.socket()
+lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+lst.bind(addr)
+lst.listen(1)
+c = socket.socket()
+c.connect(addr)
+s = lst.accept()[0]
+s.setblocking(False)
+c.send(b"still writing")  # unread bytes: the close would linger
+time.sleep(0.2)
+b = eb.start({"max_clients": 2}, "127.0.0.1", PORT2, None)
+b._async = True  # the board's server
+gc.collect()
+micropython.heap_lock()
+try:
+    r = b._linger(s, True)
+finally:
+    micropython.heap_unlock()
+print("LINGER", r, len(b.draining))
+s.close()
+c.close()
+lst.close()
+b._async = False  # never served: nothing of asyncio to release
+b.shutdown()
+"""
+
+
+def test_a_close_without_heap_for_its_linger_closes_at_once_micropython():
+    """Seen on the ESP32 port (MicroPython 1.16, emulated): a connection
+    closed because the heap ran out went on to its graceful close, whose
+    entry and drain task need heap too; the MemoryError escaped the
+    connection's reader task and its socket was never closed (a board has
+    ten). With the heap locked (micropython.heap_lock(): every allocation
+    fails, a real MemoryError) the graceful close now gives up: the caller
+    closes the socket at once, and nothing is left in the drain list.
+    MicroPython only: CPython has no way to make a small allocation fail."""
+    mp = Path(sys.executable).parent / "micropython"
+    code = (LINGER_SCRIPT.replace("LIB", repr(str(REPO / "lib")))
+            .replace("PORT2", str(free_port())).replace("PORT", str(free_port())))
+    r = subprocess.run([str(mp), "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "LINGER False 0" in r.stdout, r.stdout + r.stderr
