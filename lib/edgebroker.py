@@ -3591,10 +3591,11 @@ class Broker:
 
     async def _drainer(self, ent):
         # Reads and drops what the peer still sends, looking every 50 ms
-        # (a literal: a new global name would be a new qstr): no wait_for, which on MicroPython loads a submodule
-        # at its first use (2.7 KB on the ESP32 port's 1.16) and makes a
-        # task a call; a close is often the answer to a heap that ran out.
-        # A MemoryError here just ends the linger: the socket closes.
+        # (a literal: a new global name would be a new qstr). No wait_for:
+        # on MicroPython it loads a submodule at its first use (2.7 KB on
+        # the ESP32 port's 1.16) and makes a task a call, and a close is
+        # often the answer to a heap that ran out. A MemoryError here just
+        # ends the linger: the socket closes.
         aio = _asyncio()
         s = ent[1]
         try:
