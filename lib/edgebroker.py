@@ -3551,14 +3551,8 @@ class Broker:
             # connection is often closed because the heap ran out. Then the
             # caller closes the socket at once: a client still writing may
             # see a reset, but no socket is left open (a board has ten).
-            if ent is not None and ent in self.draining:
-                self.draining.remove(ent)
-                if not self._async:
-                    self.drains.pop(_key(s), None)
-                    try:
-                        self.poller.unregister(s)
-                    except (OSError, ValueError, KeyError):
-                        pass
+            if ent is not None:
+                self._undrain(ent)  # out of the list and the poller, closed
             return False
         return True
 
