@@ -3602,7 +3602,9 @@ class Broker:
                     break
                 if n > 0:
                     ent[2] = self.clock() + _QUIET_S
-                    continue  # more may be waiting already
+                # every round yields: a peer that keeps sending must not
+                # hold the loop (what it sends waits in the kernel, and the
+                # socket closes at _DRAIN_S whatever)
                 await aio.sleep(0.05)
         except (OSError, MemoryError):
             pass

@@ -16,6 +16,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -422,3 +423,48 @@ def test_a_close_without_heap_for_its_linger_closes_at_once_micropython():
     r = subprocess.run([str(mp), "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "LINGER False 0" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_client_that_floods_after_its_protocol_error_does_not_hold_the_broker(
+        broker_factory):
+    """A client closed for a protocol error is drained for up to 2 s (the
+    graceful close, so that it reads the reason code rather than a reset).
+    One that keeps sending all that time must not keep the broker from
+    serving the others: another client's PINGREQs are answered meanwhile,
+    each well within a second (the drain yields after every read)."""
+    b = broker_factory()
+    requires_edgebroker(b)
+    s = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+    s.sendall(connect_packet("flooder", version=5))
+    assert s.recv(64)[:1] == b"\x20"  # CONNACK
+    s.sendall(b"\x30\x03\x00\x09a")  # its topic runs past the packet: malformed
+    stop = time.monotonic() + 2.5
+
+    def flood():
+        chunk = b"\xc0\x00" * 2048
+        while time.monotonic() < stop:
+            try:
+                s.sendall(chunk)
+            except OSError:
+                return
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    try:
+        with RawClient(b.port) as c:
+            c.send(connect_packet("pinger", version=5))
+            assert c.read_packet().ptype == 2
+            worst = 0.0
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                c.send(b"\xc0\x00")
+                p = c.read_packet(timeout=5)
+                assert p is not None and p.ptype == 13, p
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.05)
+    finally:
+        t.join(5)
+        s.close()
+    assert worst < 1.0, "a PINGREQ waited %.2f s behind the drain" % worst
+    assert b.alive()
