@@ -3609,8 +3609,7 @@ class Broker:
         except (OSError, MemoryError):
             pass
         finally:
-            _io_forget(s)
-            self._undrain(ent)
+            self._undrain(ent)  # (never in the loop's poller: nothing to forget)
 
     def _turn(self):
         try:
