@@ -1431,6 +1431,12 @@ class Engine:
         # PUBACKs slow down instead of acknowledged messages being dropped.
         self.hw = max(1, self.max_queued // 2)
         self.lw = self.hw // 2
+        # max_queued_total: the messages all session queues hold together
+        # (0: no broker-wide bound, max_queued alone). Flow control starts
+        # at half of it too, so a connected subscriber that reads is not
+        # the one whose messages the bound drops.
+        self.qmax = c["max_queued_total"] or 0x3FFFFFFF  # a small int on 32 bits
+        self.qtotal = 0  # messages in all session queues
         self.congested = 0  # sessions at high water
         self.held = []  # connections whose input waits (Conn.held)
         self.unheld = []  # the server resumes reading these
@@ -2057,6 +2063,7 @@ class Engine:
             self.unsub(sess, f)
         sess.subs = ()
         self.unmark(sess)
+        self.qtotal -= len(sess.queue)
         sess.queue = ()
         sess.qbytes = 0
         sess.inflight = ()
@@ -2384,7 +2391,7 @@ class Engine:
             return
         if sess.queue or len(sess.inflight) >= conn.window or wait or conn.resend:
             self.enqueue(sess, q_entry(msg, qos, retain, sids))
-            if len(sess.queue) >= self.hw:
+            if len(sess.queue) >= self.hw or self.qtotal >= self.qmax >> 1:
                 self.mark(sess)
             return
         self.send_inflight(sess, conn, msg, qos, retain, sids)
@@ -2393,15 +2400,33 @@ class Engine:
         q = sess.queue
         size = msg_size(q_msg(ent))
         cap = self.cfg["max_queued_bytes"]
-        while q and (len(q) >= self.max_queued or sess.qbytes + size > cap):
+        while True:
             # documented policy: the oldest queued message is dropped
-            sess.qbytes -= msg_size(q_msg(q.pop(0)))
+            v = None
+            if q and (len(q) >= self.max_queued or sess.qbytes + size > cap):
+                v = sess
+            elif self.qtotal >= self.qmax:
+                # max_queued_total: from the longest offline queue, else the
+                # longest queue (flow control keeps a reading subscriber's
+                # queue from getting here)
+                for s in self.sessions.values():
+                    if s.queue and (
+                        v is None
+                        or (s.conn is None) > (v.conn is None)
+                        or ((s.conn is None) == (v.conn is None) and len(s.queue) > len(v.queue))
+                    ):
+                        v = s
+            if v is None:
+                break
+            v.qbytes -= msg_size(q_msg(v.queue.pop(0)))
+            self.qtotal -= 1
             self.n_dropped += 1
-            self.refuse("queue_full", "session %s", sess.cid)
+            self.refuse("queue_full", "session %s", v.cid)
         if type(q) is tuple:
             q = sess.queue = []
         q.append(ent)
         sess.qbytes += size
+        self.qtotal += 1
 
     def send_inflight(self, sess, conn, msg, qos, retain, sids):
         pid = self.next_pid(sess)
@@ -2518,8 +2543,11 @@ class Engine:
                 break
             q.pop(0)
             sess.qbytes -= size
+            self.qtotal -= 1
             self.send_inflight(sess, conn, msg, qos, retain, sids)
-        if sess.hw and len(q) <= self.lw:
+        if sess.hw and len(q) <= self.lw and (self.qtotal < self.qmax >> 1 or not q):
+            # at half of max_queued_total, only an empty queue releases
+            # its publishers: the total then falls
             self.unmark(sess)
         rq = sess.rq
         while rq and not q:
@@ -3174,6 +3202,7 @@ class Engine:
                         break
                     q.pop(0)
                     sess.qbytes -= msg_size(m)
+                    self.qtotal -= 1
         if self.store.expire(now, 64) and self.store.durable:
             self.sdirty = True
         si = self.cfg["sys_interval"]

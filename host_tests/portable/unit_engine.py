@@ -976,6 +976,99 @@ def test_offline_queue_keeps_each_messages_qos_retain_and_ids_MQTT_3_8_4_8_MQTT_
     assert sess.queue == [] and sess.qbytes == 0
 
 
+def test_max_queued_total_bounds_every_queue_together_oldest_of_the_longest_dropped():
+    # max_queued_total (boards/schema.json): the queues of all sessions hold
+    # at most that many messages; past it, the oldest message of the longest
+    # queue goes, counted (refusals/queue_full, messages/dropped). The count
+    # follows every way a message leaves a queue: sent, dropped, expired
+    # (MQTT-3.3.2-5), the session ended.
+    eng = mk(max_sessions=4, max_queued=10, max_queued_total=6)
+    for cid, t in (("a", "t/a"), ("b", "t/b")):
+        sp = Peer(eng, cid, clean=False, props=p_u32(0x11, 600))
+        sp.sub(t, 1)
+        eng.lost(sp.c, T0)
+    p = Peer(eng, "p")
+    for k in range(5):
+        p.send(publish("t/a", b"a%d" % k, 1, k + 1))
+    p.send(publish("t/b", b"b0", 2, 6, props=p_u32(0x02, 2)))   # expires in 2 s
+    assert eng.qtotal == 6 and eng.n_dropped == 0
+    p.send(publish("t/b", b"b1", 1, 7))
+    p.send(publish("t/b", b"b2", 1, 8))
+    assert [pk_[0] >> 4 for pk_ in p.packets()] == [4] * 5 + [5, 4, 4]  # all acknowledged
+    sa, sb_ = eng.sessions["a"], eng.sessions["b"]
+    assert [eb.q_msg(e)[2] for e in sa.queue] == [b"a2", b"a3", b"a4"]  # slot 2: the payload
+    assert len(sb_.queue) == 3 and eng.qtotal == 6 and eng.n_dropped == 2
+    assert eng.refusals["queue_full"] == 2
+    eng.turn(T0 + 5)                                   # b0 expires in b's queue
+    assert len(sb_.queue) == 2 and eng.qtotal == 5
+    a = Peer(eng, "a", clean=False, props=p_u32(0x11, 600) + p_u16(0x21, 1), now=T0 + 5)
+    got = a.msgs()                                     # Receive Maximum 1: one at a time
+    assert [m.payload for m in got] == [b"a2"] and eng.qtotal == 4
+    for want in (b"a3", b"a4"):
+        a.send(ack(4, got[0].pid))
+        got = a.msgs()
+        assert [m.payload for m in got] == [want]
+    assert eng.qtotal == 2
+    Peer(eng, "b", clean=True, now=T0 + 5)             # b's session ends with its queue
+    assert eng.qtotal == 0 and sb_.queue == ()
+
+
+def test_max_queued_total_takes_from_an_offline_queue_before_a_longer_connected_one():
+    # The bound's victim is the longest offline queue while there is one: a
+    # connected subscriber's queue is flow control's to keep short.
+    eng = mk(max_sessions=4, max_queued=10, max_queued_total=5)
+    o = Peer(eng, "o", clean=False, props=p_u32(0x11, 600))
+    o.sub("y", 1)
+    eng.lost(o.c, T0)
+    c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
+    c.sub("x", 1)
+    for k in range(5):                                 # its own PUBLISHes are never held
+        c.send(publish("x", b"x%d" % k, 1, k + 1))
+    sc = eng.sessions["c"]
+    assert len(sc.queue) == 4 and sc.hw
+    p = Peer(eng, "p")
+    p.send(publish("y", b"y0", 1, 1))
+    p.send(publish("y", b"y1", 1, 2))                  # the total is at 5: y0 goes
+    assert [pk_[0] >> 4 for pk_ in p.packets()] == [4, 4]
+    assert [eb.q_msg(e)[2] for e in eng.sessions["o"].queue] == [b"y1"]
+    assert len(sc.queue) == 4 and eng.qtotal == 5 and eng.refusals["queue_full"] == 1
+
+
+def test_max_queued_total_at_half_holds_the_publishers_of_a_reading_subscriber():
+    # Flow control (docs/design.md) starts at half of max_queued_total too:
+    # a connected subscriber whose message is queued while the total is at
+    # that mark holds back PUBLISHes to its topics (their PUBACKs wait) until
+    # its queue is back to low water, so the bound drops nothing of a client
+    # that reads.
+    eng = mk(max_sessions=4, max_queued=10, max_queued_total=6)
+    off = Peer(eng, "off", clean=False, props=p_u32(0x11, 600))
+    off.sub("o", 1)
+    eng.lost(off.c, T0)
+    c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
+    c.sub("x", 1)
+    p = Peer(eng, "p")
+    for k in range(2):
+        p.send(publish("o", b"o%d" % k, 1, k + 1))      # 2 queued offline
+    p.packets()
+    p.send(publish("x", b"x0", 1, 10))                 # in flight
+    p.send(publish("x", b"x1", 1, 11))                 # queued: the total is 3, the mark
+    assert eng.qtotal == 3 and eng.sessions["c"].hw and eng.congested == 1
+    assert [pk_[0] >> 4 for pk_ in p.packets()] == [4, 4]
+    p.send(publish("x", b"x2", 1, 12))                 # waits unparsed
+    assert p.packets() == [] and eng.qtotal == 3
+    got = c.msgs()
+    assert [m.payload for m in got] == [b"x0"]
+    c.send(ack(4, got[0].pid))                         # x1 goes: c's queue is empty
+    assert not eng.sessions["c"].hw and eng.congested == 0
+    eng.turn(T0 + 1)                                   # the held PUBLISH is read now
+    assert [pk_[0] >> 4 for pk_ in p.packets()] == [4]
+    got = c.msgs()
+    assert [m.payload for m in got] == [b"x1"]
+    c.send(ack(4, got[0].pid))
+    assert [m.payload for m in c.msgs()] == [b"x2"]
+    assert eng.n_dropped == 0 and eng.qtotal == 2
+
+
 def test_subscription_tuple_shared_by_session_and_tree():
     # one (options, id) tuple per subscription, and one per options byte
     # for all subscriptions without an identifier (heap: docs/boards.md)

@@ -136,3 +136,60 @@ def test_subscriber_that_stops_reading_is_disconnected_and_the_rest_flow(broker_
     for c in (pub, reader):
         c.disconnect()
         c.loop_stop()
+
+
+def test_max_queued_total_drops_for_an_offline_session_never_for_readers(broker_factory):
+    """max_queued_total bounds every queue together (20 here, max_queued
+    50): an offline persistent session subscribed to everything fills it and
+    loses its oldest messages (counted queue_full), while two subscribers
+    that keep reading (Receive Maximum 10, 2 ms a message) get every message
+    the 4 QoS 1 publishers were acknowledged for: flow control starts at half
+    of the total, before its bound drops anything of theirs."""
+    b = broker_factory(max_queued=50, max_queued_total=20, max_sessions=4)
+    requires_edgebroker(b)
+    off = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flow-off",
+                      protocol=mqtt.MQTTv5)
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 600
+    subscribed = threading.Event()
+    off.on_subscribe = lambda *a: subscribed.set()
+    off.connect("127.0.0.1", b.port, keepalive=60, clean_start=False, properties=props)
+    off.loop_start()
+    off.subscribe("flow/#", qos=1)
+    assert subscribed.wait(10), "no SUBACK for the offline session's subscription"
+    off.disconnect()
+    off.loop_stop()
+    total = PUBLISHERS * PER_PUBLISHER
+    got = {"r1": [], "r2": []}
+    done = {k: threading.Event() for k in got}
+
+    def reader(name):
+        def on_message(client, userdata, msg):
+            time.sleep(0.002)
+            got[name].append(msg.payload)
+            if len(got[name]) >= total:
+                done[name].set()
+        return on_message
+
+    subs = []
+    for name in got:
+        c = _client(b.port, "flow-" + name, receive_maximum=10, on_message=reader(name))
+        c.subscribe("flow/#", qos=1)
+        subs.append(c)
+    time.sleep(0.3)
+    pubs = [_client(b.port, "flow-pub%d" % k) for k in range(PUBLISHERS)]
+    acked = set()
+    threads = [threading.Thread(target=_publish_all, args=(p, "p%d" % k, acked))
+               for k, p in enumerate(pubs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(acked) == total, "publishers not acknowledged: %d of %d" % (len(acked), total)
+    for name in got:
+        assert done[name].wait(60), "%s received %d of %d" % (name, len(set(got[name])), total)
+        assert acked <= set(got[name])
+    for c in pubs + subs:
+        c.disconnect()
+        c.loop_stop()
+    assert "refused (queue_full) session flow-off" in b.log_text()

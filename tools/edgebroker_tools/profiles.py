@@ -431,9 +431,11 @@ with heap_bytes scaled the other way (x1.54) and tests it.
     message   = message_overhead + typical_payload_bytes + 2 x typical_topic_bytes
                 (a queued or inflight QoS 1/2 message: the queue entry, the message
                 tuple, the payload, the topic as str and as bytes)
+    q         = max_queued, or 0 when max_queued_total > 0 (the queues are
+                counted once, below)
     client    = per_connection
               + max_subscriptions x per_subscription
-              + (max_inflight + max_queued + 1 will) x message
+              + (max_inflight + q + 1 will) x message
               + max(max_outbuf, max_packet_size)
               + max_outbuf                     (output buffer: a delivery goes into an
                                                 empty buffer, or one it leaves within
@@ -443,7 +445,9 @@ with heap_bytes scaled the other way (x1.54) and tests it.
                                                 a client past it all is closed)
               + max_packet_size                (an inbound packet still incomplete)
     session   = per_offline_session + max_subscriptions x per_subscription
-              + (max_inflight + max_queued) x message
+              + (max_inflight + q) x message
+    queues    = min(max_queued_total, (max_clients + max_sessions) x max_queued)
+                x message                      (when max_queued_total > 0)
     retained  = ram, disc:  store fixed + n x (overhead + max_topic_length)
                             + min(store_budget_bytes, n x (max_payload_size + max_topic_length))
                 disc_only:  store fixed + n x per_message (the index only, preallocated
@@ -457,6 +461,7 @@ with heap_bytes scaled the other way (x1.54) and tests it.
               + 2 x max_packet_size            (the packet being parsed: assembly + payload copy)
               + max_clients x client
               + max_sessions x session
+              + queues
               + retained
               + heap_reserve
               + bridges                        (each: BRIDGE_FIXED 8192 + 2 x max_packet_size
@@ -655,7 +660,9 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
         + 2 * int(cfg["typical_topic_bytes"])
     )
     subs = int(cfg["max_subscriptions"]) * _cost(costs, "per_subscription")
-    window = int(cfg["max_inflight"]) + int(cfg["max_queued"])
+    total = int(cfg["max_queued_total"])
+    per_q = 0 if total else int(cfg["max_queued"])
+    window = int(cfg["max_inflight"]) + per_q
     client = (
         _cost(costs, "per_connection")
         + subs
@@ -682,6 +689,10 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
             f"{n_sessions} offline x {session} (subscriptions, {window} messages)",
         )
     )
+    if total:
+        n_q = min(total, (n_clients + n_sessions) * int(cfg["max_queued"]))
+        what = f"{n_q} queued messages of {msg}, all sessions (max_queued_total)"
+        items.append(HeapItem("queues", n_q * msg, what))
 
     store = str(cfg["storage_type"])
     n = retained_count(cfg)
@@ -1025,7 +1036,7 @@ def _check_heap(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
             "heap_bytes",
             f"heap_bytes = {heap}: the worst-case heap is {total}, {total - heap} over{on} "
             f"(largest: {top}; lower max_clients, max_subscriptions, max_inflight, "
-            f"max_queued, max_sessions or the retained limits)",
+            f"max_queued (or set max_queued_total), max_sessions or the retained limits)",
         )
     lib = runner.repo_root() / "lib"
     measured = costs.get("lib_sha256")
