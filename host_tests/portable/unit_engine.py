@@ -976,6 +976,13 @@ def test_offline_queue_keeps_each_messages_qos_retain_and_ids_MQTT_3_8_4_8_MQTT_
     assert sess.queue == [] and sess.qbytes == 0
 
 
+def offline_sub(eng, cid, filt):
+    # a persistent session (expiry 600 s) with one QoS 1 subscription, offline
+    sp = Peer(eng, cid, clean=False, props=p_u32(0x11, 600))
+    sp.sub(filt, 1)
+    eng.lost(sp.c, T0)
+
+
 def test_max_queued_total_bounds_every_queue_together_oldest_of_the_longest_dropped():
     # max_queued_total (boards/schema.json): the queues of all sessions hold
     # at most that many messages; past it, the oldest message of the longest
@@ -983,10 +990,8 @@ def test_max_queued_total_bounds_every_queue_together_oldest_of_the_longest_drop
     # follows every way a message leaves a queue: sent, dropped, expired
     # (MQTT-3.3.2-5), the session ended.
     eng = mk(max_sessions=4, max_queued=10, max_queued_total=6)
-    for cid, t in (("a", "t/a"), ("b", "t/b")):
-        sp = Peer(eng, cid, clean=False, props=p_u32(0x11, 600))
-        sp.sub(t, 1)
-        eng.lost(sp.c, T0)
+    offline_sub(eng, "a", "t/a")
+    offline_sub(eng, "b", "t/b")
     p = Peer(eng, "p")
     for k in range(5):
         p.send(publish("t/a", b"a%d" % k, 1, k + 1))
@@ -1017,9 +1022,7 @@ def test_max_queued_total_takes_from_an_offline_queue_before_a_longer_connected_
     # The bound's victim is the longest offline queue while there is one: a
     # connected subscriber's queue is flow control's to keep short.
     eng = mk(max_sessions=4, max_queued=10, max_queued_total=5)
-    o = Peer(eng, "o", clean=False, props=p_u32(0x11, 600))
-    o.sub("y", 1)
-    eng.lost(o.c, T0)
+    offline_sub(eng, "o", "y")
     c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
     c.sub("x", 1)
     for k in range(5):                                 # its own PUBLISHes are never held
@@ -1038,12 +1041,9 @@ def test_max_queued_total_at_half_holds_the_publishers_of_a_reading_subscriber()
     # Flow control (docs/design.md) starts at half of max_queued_total too:
     # a connected subscriber whose message is queued while the total is at
     # that mark holds back PUBLISHes to its topics (their PUBACKs wait) until
-    # its queue is back to low water, so the bound drops nothing of a client
-    # that reads.
+    # its queue is empty, so the bound drops nothing of a client that reads.
     eng = mk(max_sessions=4, max_queued=10, max_queued_total=6)
-    off = Peer(eng, "off", clean=False, props=p_u32(0x11, 600))
-    off.sub("o", 1)
-    eng.lost(off.c, T0)
+    offline_sub(eng, "off", "o")
     c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
     c.sub("x", 1)
     p = Peer(eng, "p")

@@ -53,6 +53,23 @@ def _publish_all(c, name, acked):
             acked.add(b"%s-%d" % (name.encode(), i))
 
 
+def _run_publishers(port):
+    """PUBLISHERS clients, each publishing PER_PUBLISHER QoS 1 messages at
+    once (threads); returns the clients and the set of acknowledged payloads,
+    all of them."""
+    pubs = [_client(port, "flow-pub%d" % k) for k in range(PUBLISHERS)]
+    acked = set()
+    threads = [threading.Thread(target=_publish_all, args=(p, "p%d" % k, acked))
+               for k, p in enumerate(pubs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    total = PUBLISHERS * PER_PUBLISHER
+    assert len(acked) == total, "publishers not acknowledged: %d of %d" % (len(acked), total)
+    return pubs, acked
+
+
 def test_slow_reading_subscriber_loses_no_acknowledged_message(broker_factory):
     """4 QoS 1 publishers (window 20 each) against one subscriber with
     Receive Maximum 10 that sleeps 2 ms per message, max_queued 50: every
@@ -73,15 +90,7 @@ def test_slow_reading_subscriber_loses_no_acknowledged_message(broker_factory):
     sub = _client(b.port, "flow-sub", receive_maximum=10, on_message=on_message)
     sub.subscribe("flow/#", qos=1)
     time.sleep(0.3)
-    pubs = [_client(b.port, "flow-pub%d" % k) for k in range(PUBLISHERS)]
-    acked = set()
-    threads = [threading.Thread(target=_publish_all, args=(p, "p%d" % k, acked))
-               for k, p in enumerate(pubs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert len(acked) == total, "publishers not acknowledged: %d of %d" % (len(acked), total)
+    pubs, acked = _run_publishers(b.port)
     assert done.wait(60), "received %d of %d acknowledged" % (len(set(got)), total)
     assert acked <= set(got)
     for c in pubs + [sub]:
@@ -177,15 +186,7 @@ def test_max_queued_total_drops_for_an_offline_session_never_for_readers(broker_
         c.subscribe("flow/#", qos=1)
         subs.append(c)
     time.sleep(0.3)
-    pubs = [_client(b.port, "flow-pub%d" % k) for k in range(PUBLISHERS)]
-    acked = set()
-    threads = [threading.Thread(target=_publish_all, args=(p, "p%d" % k, acked))
-               for k, p in enumerate(pubs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert len(acked) == total, "publishers not acknowledged: %d of %d" % (len(acked), total)
+    pubs, acked = _run_publishers(b.port)
     for name in got:
         assert done[name].wait(60), "%s received %d of %d" % (name, len(set(got[name])), total)
         assert acked <= set(got[name])
