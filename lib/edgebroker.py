@@ -1089,27 +1089,53 @@ class Group:
 # str) and, under the int key _SUBS, its subscribers dict while it has any.
 # One dict per level, not a list holding a children dict and a subscribers
 # slot: on MicroPython that list and its items cost two heap blocks a level.
+# A branch that only one filter takes is a tail instead of a dict a level:
+# (filter, offset of the rest, subscribers dict), the rest matched in place
+# (TopicTree.match). The filter str is the one the session keeps as its key,
+# so a subscription of its own costs a tuple and a subscribers dict, not a
+# dict and a level str for each of its levels (docs/boards.md). A filter
+# that shares the tail's first levels splits it, one level at a time.
 _SUBS = const(0)
 
 
 class TopicTree:
-    """Subscriptions by level, one node dict per level (see _SUBS). A
-    publish walks only the branches its levels select ('+', '#' and the
-    literal level), never every subscription (mosquitto's subs.c does the
-    same). A subscribers dict maps session (or Group) -> (options byte,
-    sub id), the very tuple the session keeps in Session.subs (one per
-    subscription, not two)."""
+    """Subscriptions by level, one node dict per level (see _SUBS) or a
+    tail for a branch of one filter. A publish walks only the branches its
+    levels select ('+', '#' and the literal level), never every subscription
+    (mosquitto's subs.c does the same). A subscribers dict maps session (or
+    Group) -> (options byte, sub id), the very tuple the session keeps in
+    Session.subs (one per subscription, not two)."""
 
     def __init__(self):
         self.root = {}
 
     def add(self, filt, sess, ent):
         node = self.root
-        for lv in filt.split("/"):
+        pos = 0
+        end = len(filt)
+        while True:
+            k = filt.find("/", pos)
+            if k < 0:
+                k = end
+            lv = filt[pos:k]
             nxt = node.get(lv)
-            if nxt is None:
+            if type(nxt) is tuple:
+                if k < end and filt[k + 1 :] == nxt[0][nxt[1] :]:
+                    nxt[2][sess] = ent  # the same filter
+                    return
+                # split: a tail one level shorter, under a node of its own
+                f, p, ts = nxt
+                j = f.find("/", p)
+                nxt = node[lv] = {f[p:]: {_SUBS: ts}} if j < 0 else {f[p:j]: (f, j + 1, ts)}
+            elif nxt is None:
+                if k < end and lv != "#":
+                    node[lv] = (filt, k + 1, {sess: ent})
+                    return
                 nxt = node[lv] = {}
             node = nxt
+            if k == end:
+                break
+            pos = k + 1
         subs = node.get(_SUBS)
         if subs is None:
             subs = node[_SUBS] = {}
@@ -1118,18 +1144,37 @@ class TopicTree:
     def remove(self, filt, sess):
         node = self.root
         path = []
-        for lv in filt.split("/"):
+        pos = 0
+        end = len(filt)
+        while True:
+            k = filt.find("/", pos)
+            if k < 0:
+                k = end
+            lv = filt[pos:k]
             nxt = node.get(lv)
             if nxt is None:
                 return False
             path.append((node, lv))
+            if type(nxt) is tuple:
+                subs = nxt[2]
+                if k == end or filt[k + 1 :] != nxt[0][nxt[1] :] or sess not in subs:
+                    return False
+                del subs[sess]
+                if subs:
+                    return True
+                node, lv = path.pop()
+                del node[lv]
+                break
             node = nxt
-        subs = node.get(_SUBS)
-        if subs is None or sess not in subs:
-            return False
-        del subs[sess]
-        if not subs:
-            del node[_SUBS]
+            if k == end:
+                subs = node.get(_SUBS)
+                if subs is None or sess not in subs:
+                    return False
+                del subs[sess]
+                if not subs:
+                    del node[_SUBS]
+                break
+            pos = k + 1
         # prune empty branches (no children, no subscribers), deepest first
         while path:
             parent, lv = path.pop()
@@ -1144,6 +1189,34 @@ class TopicTree:
         stack = [(self.root, 0)]
         while stack:
             node, i = stack.pop()
+            if type(node) is tuple:
+                # a tail (MQTT-4.7.1): its filter's levels from pos against
+                # the topic's from i; '+' takes one level, '#' the rest and
+                # the parent level (4.7.1.2). A tail never starts at the
+                # first level: the '$' rule (MQTT-4.7.2-1) was applied above.
+                filt, pos, subs = node
+                end = len(filt)
+                while True:
+                    k = filt.find("/", pos)
+                    if k < 0:
+                        k = end
+                    one = k - pos == 1
+                    if one and filt[pos] == "#":
+                        yield subs
+                        break
+                    if i >= n:
+                        break
+                    if not (one and filt[pos] == "+"):
+                        lv = levels[i]
+                        if len(lv) != k - pos or not filt.startswith(lv, pos):
+                            break
+                    i += 1
+                    if k == end:
+                        if i == n:
+                            yield subs
+                        break
+                    pos = k + 1
+                continue
             wild = not (dollar and i == 0)
             if i == n:
                 subs = node.get(_SUBS)

@@ -139,6 +139,59 @@ def test_topic_tree_walks_only_matching_branches():
     assert t.root == {}                          # empty branches pruned
 
 
+def test_topic_tree_tails_match_as_the_filter_does_MQTT_4_7():
+    # Branches of one filter are tails (lib/edgebroker.py, _SUBS), split a
+    # level at a time as other filters share them. Whatever the order of
+    # adds and removes, the tree must answer as topic_matches() does for
+    # every filter (MQTT-4.7.1 wildcards, MQTT-4.7.2-1 '$'), and end empty.
+    words = ["a", "b", "", "+", "#", "$s", "ab"]
+    seed = [12345]
+
+    def rnd(n):
+        seed[0] = (seed[0] * 1103515245 + 12345) & 0x7FFFFFFF
+        return seed[0] % n
+
+    def filt():
+        lv = [words[rnd(len(words))] for _ in range(1 + rnd(4))]
+        for k in range(len(lv) - 1):
+            if lv[k] == "#":
+                lv[k] = "b"                      # '#' only last (MQTT-4.7.1-1)
+        if "$s" in lv[1:]:
+            lv = [x if x != "$s" else "a" for x in lv]
+        return "/".join(lv)
+
+    topics = set()
+    for _ in range(60):
+        t = [["a", "b", "", "ab", "$s"][rnd(5)] for _ in range(1 + rnd(4))]
+        topics.add("/".join(x if (x != "$s" or k == 0) else "a" for k, x in enumerate(t)))
+    t = eb.TopicTree()
+    live = {}
+    for step in range(400):
+        f = filt()
+        who = rnd(3)
+        if (f, who) in live and rnd(2):
+            assert t.remove(f, who)
+            del live[(f, who)]
+        else:
+            t.add(f, who, (step, 0))
+            live[(f, who)] = (step, 0)
+        if step % 20 == 0 or step == 399:
+            for topic in topics:
+                got = {}
+                for d in t.match(topic.split("/"), topic[:1] == "$"):
+                    for w in d:
+                        got.setdefault(w, []).append(d[w])
+                want = {}
+                for (ff, w), e in live.items():
+                    if eb.topic_matches(ff.split("/"), topic):
+                        want.setdefault(w, []).append(e)
+                assert {w: sorted(v) for w, v in got.items()} == {
+                    w: sorted(v) for w, v in want.items()}, (topic, got, want)
+    for f, w in list(live):
+        assert t.remove(f, w) and not t.remove(f, w)
+    assert t.root == {}
+
+
 def test_topic_tree_replaces_same_filter_MQTT_3_8_4_3():
     t = eb.TopicTree()
     a = object()

@@ -112,14 +112,20 @@ def padded(prefix, size):
     return prefix + "x" * max(size - len(prefix), 0)
 
 
-def filters_for(name, n):
-    """n subscriptions of the measured shape: 4 levels, no level shared."""
-    return ["%s%02d/device-%s%02d/sensor-%02d/+" % (name, k, name, k, k) for k in range(n)]
+def filters_for(name, n, size=0):
+    """n subscriptions of the measured shape (edgebroker_tools.measure FILTER):
+    4 levels, the first three shared by pairs; the first one's last level
+    padded to `size` bytes in all (topic_for: the topic it alone matches)."""
+    out = ["%s%02d/device-%s%02d/sensor-%02d/v%02d" % (name, k // 2, name, k // 2, k // 2, k)
+           for k in range(n)]
+    if out:
+        out[0] = padded(out[0], size)
+    return out
 
 
 def topic_for(name, size):
-    """A topic matched by filters_for(name, ...)[0] only."""
-    return padded("%s00/device-%s00/sensor-00/" % (name, name), size)
+    """A topic of `size` bytes matched by filters_for(name, ..., size)[0] only."""
+    return filters_for(name, 1, size)[0]
 
 
 def payloads(tag, n, size):
@@ -226,7 +232,7 @@ def full_load(port, cfg, micropython):
     for s in range(cfg["max_sessions"]):
         name = "o%d" % s
         c = connect(port, "offline-%03d" % s, clean=False)
-        c.subscribe([(f, 1) for f in filters_for(name, n_subs)])
+        c.subscribe([(f, 1) for f in filters_for(name, n_subs, tsize)])
         got = Received()
         items = payloads(name, window + share(), psize)
         publish_collect(c, topic_for(name, tsize), items[:window], got)
@@ -253,7 +259,7 @@ def full_load(port, cfg, micropython):
     clients = []
     for i in range(n_clients):
         c = connect(port, "load-%03d" % i)
-        fs = filters_for("c%d" % i, n_subs)
+        fs = filters_for("c%d" % i, n_subs, tsize)
         if i == 0 and micropython and n_subs > 1:
             fs[1] = "$SYS/broker/heap/+"  # heap figures at the peak
         if i == n_clients - 1 and n_ret:
