@@ -1145,36 +1145,30 @@ class TopicTree:
         node = self.root
         path = []
         pos = 0
-        end = len(filt)
-        while True:
-            k = filt.find("/", pos)
-            if k < 0:
-                k = end
-            lv = filt[pos:k]
+        for lv in filt.split("/"):
             nxt = node.get(lv)
             if nxt is None:
                 return False
             path.append((node, lv))
+            pos += len(lv) + 1  # where the rest starts (past the end: none)
             if type(nxt) is tuple:
                 subs = nxt[2]
-                if k == end or filt[k + 1 :] != nxt[0][nxt[1] :] or sess not in subs:
+                if pos > len(filt) or filt[pos:] != nxt[0][nxt[1] :] or sess not in subs:
                     return False
                 del subs[sess]
                 if subs:
                     return True
-                node, lv = path.pop()
                 del node[lv]
+                path.pop()
                 break
             node = nxt
-            if k == end:
-                subs = node.get(_SUBS)
-                if subs is None or sess not in subs:
-                    return False
-                del subs[sess]
-                if not subs:
-                    del node[_SUBS]
-                break
-            pos = k + 1
+        else:
+            subs = node.get(_SUBS)
+            if subs is None or sess not in subs:
+                return False
+            del subs[sess]
+            if not subs:
+                del node[_SUBS]
         # prune empty branches (no children, no subscribers), deepest first
         while path:
             parent, lv = path.pop()
