@@ -2475,13 +2475,15 @@ class Engine:
             elif self.qtotal >= self.qmax:
                 # max_queued_total: from the longest offline queue, else the
                 # longest queue (flow control keeps a reading subscriber's
-                # queue from getting here)
+                # queue from getting here). An offline queue ranks 2**20
+                # higher: above any max_queued, a small int on 32 bits.
+                best = 0
                 for s in self.sessions.values():
-                    if s.queue and (
-                        v is None
-                        or (s.conn is None) > (v.conn is None)
-                        or ((s.conn is None) == (v.conn is None) and len(s.queue) > len(v.queue))
-                    ):
+                    n = len(s.queue)
+                    if n and s.conn is None:
+                        n += 0x100000
+                    if n > best:
+                        best = n
                         v = s
             if v is None:
                 break
