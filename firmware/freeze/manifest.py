@@ -9,9 +9,10 @@
 # The port's own manifest comes first (asyncio, network helpers, ...). boot.py
 # and main.py stay on the filesystem (`edgebroker flash` copies them, with the
 # profile, the secrets and your app), and the frozen modules are found before
-# any .mpy of the same name there. `config check` has no setting for frozen
-# code yet: with "romfs": false it counts the .mpy-in-RAM figure, which over-
-# states what frozen modules cost (their bytecode and strings stay in flash).
+# any .mpy of the same name there. Set "frozen": true in the board profile:
+# `config check` then counts what frozen modules keep (their module objects;
+# bytecode, strings and names stay in flash), and `edgebroker build` and
+# `flash` ship none of the modules this file freezes.
 include("$(PORT_DIR)/boards/manifest.py")
 
 # the broker and its profile check (always), its flash or RAM store,

@@ -126,6 +126,22 @@ def test_flash_host_profile_end_to_end(board, secrets, tmp_path):
     assert [p for p, _h in bad] == ["/lib/gateway.mpy"]
 
 
+def test_flash_frozen_profile_needs_a_firmware_with_the_broker_frozen_in(board, secrets, tmp_path):
+    """frozen: true ships none of the frozen modules, so a firmware without
+    them (the stand-in board: the MicroPython unix port, nothing of ours
+    frozen) is refused before anything is written: one line saying what to
+    flash, no file copied, no safe-mode marker left behind."""
+    res = edgebroker("flash", "host", "--port", board.url, "--dist", str(tmp_path / "dist"),
+                     "--secrets", str(secrets), "--set", "frozen=true")
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "frozen = true, but the firmware on %s has no frozen edgebroker" % board.url in (
+        res.stderr), res.stderr
+    assert "firmware/freeze/manifest.py" in res.stderr
+    files = set(board.files())
+    assert "safe_mode" not in files and "board.json" not in files, files
+    assert not [f for f in files if f.startswith("lib/")], files
+
+
 def test_reflash_running_esp32_gateway_keeps_retained_on_flash(secrets, tmp_path):
     """The esp32 profile (board-sized heap, watchdog, flash store) flashed,
     then flashed again while its broker runs: mpremote's Ctrl-C stops it, the

@@ -146,6 +146,22 @@ def test_build_lines_is_its_own_build(tmp_path):
     assert "--lines" not in build_cmd.report(small)
 
 
+def test_frozen_build_ships_no_frozen_module(tmp_path):
+    """frozen: true: the modules firmware/freeze/manifest.py freezes are in
+    the firmware (found before /lib), so the build ships none of them: the
+    entry points and the profile only, and its report says why."""
+    frozen = build_cmd.frozen_modules()
+    assert {"edgebroker", "edgestore", "edgeconf", "gateway"} <= frozen
+    target = build_cmd.load_target("esp32", ["frozen=true"])
+    res = build_cmd.build(target, tmp_path)
+    shipped = sorted(f.remote for f in res.files)
+    assert not [r for r in shipped if r.startswith("lib/") and Path(r).stem in frozen], shipped
+    assert {"boot.py", "main.py", build_cmd.PROFILE_FILE} <= set(shipped)
+    assert "frozen: the modules of firmware/freeze/manifest.py" in build_cmd.report(res)
+    plain = build_cmd.build(build_cmd.load_target("esp32"), tmp_path / "plain")
+    assert "lib/edgebroker.mpy" in {f.remote for f in plain.files}
+
+
 LAUNCH = r"""
 import sys
 sys.path.insert(0, %(dir)r)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from edgebroker_tools import profiles
+
 REPO = Path(__file__).resolve().parents[2]
 BOARDS = REPO / "boards"
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
@@ -215,6 +217,38 @@ def test_bridge_heap_code_and_flash_are_counted(tmp_path):
     prof["bridges"] = [_bridged(tls={"ca": "/ca.pem"})]
     r = config("check", "-v", str(write(tmp_path, "tls", prof)), check=1)
     assert "heap_bytes = 110000" in r.stderr and "bridge cloud" in r.stderr
+
+
+def _code_line(out):
+    return next(line for line in out.splitlines() if line.strip().startswith("code "))
+
+
+def test_frozen_code_is_counted_below_romfs_and_mpy(tmp_path):
+    """frozen: true (the broker frozen into the firmware with
+    firmware/freeze/manifest.py): config check counts each module's frozen
+    figure measured on a Cortex-M build (profiles.FROZEN_32), scaled by its
+    .mpy's growth since: less than ROMFS and far less than .mpy in RAM; with
+    romfs true as well it is refused in one line naming frozen."""
+    figures = {}
+    for name, change in (("mpy", {}), ("romfs", {"romfs": True}), ("frozen", {"frozen": True})):
+        prof = esp32()
+        prof.update(change)
+        r = config("check", "-v", str(write(tmp_path, name, prof)), check=0)
+        line = _code_line(r.stdout)
+        figures[name] = int(line.split()[1])
+    assert "(frozen)" in line, line
+    mpy = profiles.load_costs()["costs"]["mpy_file_bytes"]
+    want = 0
+    for m in ("edgebroker", "edgestore"):
+        kept, then = profiles.FROZEN_32[m]
+        want += round(kept * mpy[m] / then)
+    assert figures["frozen"] == want
+    assert figures["frozen"] < 0.5 * figures["romfs"] < figures["mpy"], figures
+    prof = esp32()
+    prof.update({"romfs": True, "frozen": True})
+    r = config("check", str(write(tmp_path, "both", prof)), check=1)
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert len(errors) == 1 and "frozen = true" in errors[0] and "romfs" in errors[0], r.stderr
 
 
 def test_all_errors_are_listed(tmp_path):

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from edgebroker_tools import profiles
+from edgebroker_tools.commands import emulate as emulate_cmd
 from edgebroker_tools.mqttclient import Client, parse_publish, puback_packet, publish_packet
 
 REPO = Path(__file__).resolve().parents[2]
@@ -367,6 +369,48 @@ def test_other_boards_full_profile_load(board, tmp_path):
     run_full_load(board, "micropython", tmp_path)
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("interp", ["micropython", "cpython"])
+def test_esp32_frozen_eight_clients_5000_retained_and_a_bridge(interp, tmp_path):
+    """Issue 12's esp32 load on firmware with the broker frozen in (frozen:
+    true): the esp32 profile at 8 clients (its sockets' limit), 5,000
+    retained messages in disc_only and one bridge with a 256 KB queue on
+    flash passes config check with 8 KB spare (the flash of a module with
+    8 MB: 5,000 typical messages, their compaction copy and the bridge's
+    queue do not fit the 2 MB filesystem of a 4 MB one), and the emulated esp32
+    (MicroPython, the board's heap scaled, the frozen code emulated as a
+    ROMFS import with what it keeps beyond frozen added) runs that full
+    load: no MemoryError, no refusal for memory, every message delivered."""
+    prof = json.loads((REPO / "boards" / "esp32.json").read_text())
+    prof.update({
+        "frozen": True,
+        "max_clients": 8,
+        "max_retained_messages": 5000,
+        "store_budget_bytes": 655360,
+        "fs_bytes": 6291456,
+        "bridges": [{
+            "name": "cloud", "host": "127.0.0.1", "port": _free_port(),
+            "queue_bytes": 262144,
+            "topics": [{"pattern": "sensors/#", "direction": "out", "qos": 1}],
+        }],
+    })
+    path = tmp_path / "esp32_frozen.json"
+    path.write_text(json.dumps(prof))
+    r = subprocess.run([str(EDGEBROKER), "config", "check", "-v", str(path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "worst case" in x)
+    worst = int(line.split("worst case")[1].split()[0])
+    assert worst + 8192 <= prof["heap_bytes"], line
+    assert "(frozen)" in r.stdout and "edgebridge" in r.stdout
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg, report, log = run_full_load(str(path), interp, run)
+    assert report.get("retained_delivered") == 5000
+    if interp == "micropython":
+        assert "frozen: emulated as a ROMFS import" in log
+
+
 # ------------------------------------------------------- the command itself
 def test_emulate_prints_heap_status_and_stops_on_sigterm(tmp_path):
     """The monitor prints status lines with the $SYS heap figures; SIGTERM
@@ -400,24 +444,32 @@ def test_emulate_stops_on_sigint_cpython(tmp_path):
 
 def test_emulate_romfs_board_runs_code_in_place(tmp_path):
     """romfs: true: the .mpy files run from a ROMFS image outside the board's
-    heap, so the same profile leaves more heap free than with romfs: false."""
+    heap, so the same profile leaves more heap free than with romfs: false.
+    frozen: true is emulated as a ROMFS import with what a frozen module does
+    not keep (emulate.frozen_extra) added to the heap: more free again."""
     free = {}
-    for romfs in (False, True):
-        d = tmp_path / ("romfs" if romfs else "plain")
+    for kind in ("plain", "romfs", "frozen"):
+        d = tmp_path / kind
         d.mkdir()
+        sets = {"plain": [], "romfs": ["--set", "romfs=true"],
+                "frozen": ["--set", "frozen=true"]}[kind]
         emu = Emulator("esp32", "micropython", d,
-                       extra=["--sys-interval", "1", "--no-monitor",
-                              "--set", "romfs=%s" % ("true" if romfs else "false")])
+                       extra=["--sys-interval", "1", "--no-monitor", *sets])
         try:
             time.sleep(1.5)
-            free[romfs] = int(read_sys(emu.port)["heap/free"])
+            free[kind] = int(read_sys(emu.port)["heap/free"])
         finally:
             code = emu.stop()
             assert code == 0, "exit %s\n%s%s" % (code, "".join(emu.lines), emu.log_text())
+        if kind == "frozen":
+            assert "frozen: emulated as a ROMFS import" in emu.log_text(), emu.log_text()
     costs = json.loads((REPO / "boards" / "memory_costs.json").read_text())["costs"]
     saved = sum(costs["import_mpy"][m] - costs["import_romfs"][m]
                 for m in ("edgebroker", "edgestore"))
-    assert free[True] - free[False] > saved * 0.8, (free, saved)
+    assert free["romfs"] - free["plain"] > saved * 0.8, (free, saved)
+    chk = profiles.load_checked("esp32", ["frozen=true"])
+    extra = emulate_cmd.frozen_extra(profiles.effective(chk.profile, profiles.load_schema()))
+    assert extra > 0 and free["frozen"] - free["romfs"] > extra * 0.8, (free, extra)
 
 
 def test_emulate_refuses_a_profile_with_schema_errors(tmp_path):

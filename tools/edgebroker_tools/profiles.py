@@ -401,12 +401,16 @@ MODEL_TEXT: Final = """\
            (+ lib/edgeauth.py when users or acl is not empty or allow_anonymous is false)
            (+ lib/edgebridge.py when bridges is not empty)
            .mpy from the filesystem (bytecode in RAM) when romfs is false,
-           the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true
+           the ROMFS figure (bytecode in place, module objects in RAM) when romfs is true,
+           the frozen figure (module objects only, measured on a Cortex-M
+           build: FROZEN_32, scaled by the module's .mpy growth since) when
+           frozen is true
            (not lib/edgeconf.py, the profile check, nor lib/edgeopen.py, the flash
            store's open: imported while the broker is built and dropped before it
            serves; counted in the boot peak, start_heap)
     code <= code_budget_bytes
-    fs_reserve_bytes >= the .mpy files' size when romfs is false (they live on the filesystem)
+    fs_reserve_bytes >= the .mpy files' size when romfs and frozen are false (they live
+                        on the filesystem)
 
 ### Heap
 
@@ -509,6 +513,52 @@ def _cost(costs: Mapping[str, Any], *path: str) -> int:
     if not isinstance(node, int):
         raise ProfileError(f"memory cost {'.'.join(path)} is not an integer")
     return node
+
+
+#: Heap a frozen module's import keeps on a 32-bit port: its module objects
+#: (globals, a function object per def, the classes, module-level tables);
+#: its bytecode, strings and names stay in flash. Measured on MicroPython's
+#: Cortex-M qemu port (v1.29.0-preview, commit 1c3c201, MPS2_AN385), the
+#: modules frozen in with firmware/freeze/manifest.py, gc.mem_alloc() around
+#: each import, 2026-11-26 (docs/boards.md). No port from a registry can
+#: freeze a module, so `make measure-memory` cannot remeasure them: each is
+#: kept with the module's .mpy size of that day, and `config check` scales it
+#: by how that .mpy (measured with every other cost) has grown since.
+FROZEN_32: Final = {
+    # module: (bytes kept, .mpy bytes then)
+    "edgebroker": (6368, 34804),
+    "edgestore": (2464, 11217),
+    "edgeram": (560, 1744),
+    "edgeauth": (256, 1747),
+    "edgebridge": (3152, 19094),
+    "edgeconf": (848, 2756),
+    "edgeopen": (704, 4026),
+}
+
+
+def code_cost(cfg: Mapping[str, Any], costs: Mapping[str, Any], module: str) -> int:
+    """The heap one module's import keeps, the way the profile loads code:
+    frozen into the firmware, from a ROMFS image, or as .mpy in RAM."""
+    if cfg.get("frozen") is True:
+        kept, then = FROZEN_32[module]
+        scale = _cost(costs, "mpy_file_bytes", module) / then
+        if int(cfg["word_bytes"]) == 8:
+            scale /= WORD4_PER_WORD8
+        return round(kept * scale)
+    return _cost(costs, "import_romfs" if cfg["romfs"] else "import_mpy", module)
+
+
+def code_where(cfg: Mapping[str, Any]) -> str:
+    """How the profile's code is loaded, in a few words."""
+    if cfg.get("frozen") is True:
+        return "frozen"
+    return "ROMFS" if cfg["romfs"] else ".mpy in RAM"
+
+
+def code_in_place(cfg: Mapping[str, Any]) -> bool:
+    """The bytecode runs from flash (ROMFS or frozen): nothing is copied
+    into the heap at import and lib/*.mpy take no filesystem space."""
+    return bool(cfg["romfs"]) or cfg.get("frozen") is True
 
 
 #: Bytes a 32-bit MicroPython uses for what the 64-bit unix port uses one
@@ -637,10 +687,8 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
     """The worst-case heap of an effective profile, item by item (MODEL_TEXT, Heap)."""
     items: list[HeapItem] = []
     mods = modules_for(cfg)
-    kind = "import_romfs" if cfg["romfs"] else "import_mpy"
-    code = sum(_cost(costs, kind, m) for m in mods)
-    where = "ROMFS" if cfg["romfs"] else ".mpy in RAM"
-    items.append(HeapItem("code", code, f"{' + '.join(mods)} ({where})"))
+    code = sum(code_cost(cfg, costs, m) for m in mods)
+    items.append(HeapItem("code", code, f"{' + '.join(mods)} ({code_where(cfg)})"))
 
     idle = _cost(costs, "broker_idle")
     if cfg["sys_interval"]:
@@ -744,7 +792,8 @@ def start_heap(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> int:
     in (measured costs): the import peak of the .mpy modules, or the code
     kept plus the idle broker, its receive buffer and the empty flash store,
     whichever is larger.
-    With romfs the bytecode runs in place (emulate adds the image itself)."""
+    With romfs or frozen the bytecode runs in place (emulate adds the image
+    itself)."""
     mods = modules_for(cfg)
     idle = _cost(costs, "broker_idle") + int(cfg["io_chunk"])
     store = str(cfg["storage_type"])
@@ -753,8 +802,8 @@ def start_heap(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> int:
         if store == "disc_only":
             n = retained_count(cfg) or INDEX_PREALLOC
             idle += min(n, INDEX_PREALLOC) * _cost(costs, "retained", store, "per_message")
-    if cfg["romfs"]:
-        return sum(_cost(costs, "import_romfs", m) for m in mods) + idle
+    if code_in_place(cfg):
+        return sum(code_cost(cfg, costs, m) for m in mods) + idle
     peak = 0
     kept = 0
     for m in mods:
@@ -937,18 +986,25 @@ def _check_bridges(report: Report, cfg: Profile, on: str) -> None:
 
 def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:
     mods = modules_for(cfg)
-    kind = "import_romfs" if cfg["romfs"] else "import_mpy"
-    parts = [(m, _cost(costs, kind, m)) for m in mods]
+    if cfg["romfs"] and cfg.get("frozen") is True:
+        report.error(
+            "frozen",
+            f"frozen = true: romfs is true too{on}; choose one (frozen modules are found "
+            "before a ROMFS image's, which would then only take flash)",
+        )
+    parts = [(m, code_cost(cfg, costs, m)) for m in mods]
     code = sum(c for _, c in parts)
     budget = int(cfg["code_budget_bytes"])
     if code > budget:
         detail = " + ".join(f"{m} {c}" for m, c in parts)
-        where = "from ROMFS" if cfg["romfs"] else "as .mpy in RAM (romfs false)"
+        where = {"frozen": "frozen", "ROMFS": "from ROMFS"}.get(
+            code_where(cfg), "as .mpy in RAM (romfs false)"
+        )
         report.error(
             "code_budget_bytes",
             f"code_budget_bytes = {budget}: must be >= {code}, the code {where} ({detail}){on}",
         )
-    if not cfg["romfs"]:
+    if not code_in_place(cfg):
         files = [(m, _cost(costs, "mpy_file_bytes", m)) for m in shipped_modules(cfg)]
         size = sum(c for _, c in files)
         if cfg["fs_reserve_bytes"] < size:
@@ -970,7 +1026,7 @@ def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
         need = kept + _cost(costs, "min_heap_import_mpy", m)
         peak = max(peak, need)
         kept += _cost(costs, "import_mpy", m)
-    if not cfg["romfs"] and peak > cfg["heap_bytes"]:
+    if not code_in_place(cfg) and peak > cfg["heap_bytes"]:
         report.error(
             "heap_bytes",
             f"heap_bytes = {cfg['heap_bytes']}: importing the .mpy build needs {peak}{on}",

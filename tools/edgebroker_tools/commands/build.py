@@ -4,6 +4,8 @@
     dist/<board>/board.json            the profile (with --set overrides)
     dist/<board>/lib/*.mpy             lib/*.py and the other firmware/*.py, mpy-cross'ed
     dist/<board>/romfs.img             profile "romfs": true: lib/ as a ROMFS image
+                                       (profile "frozen": true: no module that
+                                       firmware/freeze/manifest.py freezes)
     dist/<board>/manifest.json         what was built from what (flash reads it)
 
 Bytecode loaded from a filesystem stays in RAM, so its size is checked
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -141,14 +144,36 @@ def _wanted(stem: str, profile: Mapping[str, Any] | None) -> bool:
     return stem in profiles.shipped_modules(cfg)
 
 
+#: The firmware build's freeze manifest: its module("X.py") lines name what
+#: a `"frozen": true` board has in its firmware already.
+FREEZE_MANIFEST: Final = Path("firmware") / "freeze" / "manifest.py"
+_FROZEN_RE: Final = re.compile(r'^\s*module\(\s*"([A-Za-z_][A-Za-z0-9_]*)\.py"', re.MULTILINE)
+
+
+def frozen_modules() -> frozenset[str]:
+    """The modules firmware/freeze/manifest.py freezes (by stem)."""
+    text = (runner.repo_root() / FREEZE_MANIFEST).read_text(encoding="utf-8")
+    return frozenset(_FROZEN_RE.findall(text))
+
+
 def sources(profile: Mapping[str, Any] | None = None) -> list[Source]:
     """The files a board gets, in copy order: library modules first, the
     entry points last (a board reset half-way finds no main.py rather than
     a main.py without its modules). An optional module (OPTIONAL_MODULES)
-    only when `profile` uses it."""
+    only when `profile` uses it; with `"frozen": true` none of the modules
+    the freeze manifest puts in the firmware (found there before /lib)."""
     root = runner.repo_root()
-    mods = [p for p in sorted((root / "lib").glob("*.py")) if _wanted(p.stem, profile)]
-    fw = sorted(p for p in (root / "firmware").glob("*.py") if p.name not in ENTRY_POINTS)
+    frozen = frozen_modules() if profile is not None and profile.get("frozen") is True else ()
+    mods = [
+        p
+        for p in sorted((root / "lib").glob("*.py"))
+        if _wanted(p.stem, profile) and p.stem not in frozen
+    ]
+    fw = sorted(
+        p
+        for p in (root / "firmware").glob("*.py")
+        if p.name not in ENTRY_POINTS and p.stem not in frozen
+    )
     seen: set[str] = set()
     out: list[Source] = []
     for p in [*mods, *fw]:
@@ -341,7 +366,12 @@ def report(result: BuildResult) -> str:
     else:
         pct = 100 * result.bytecode_bytes / result.budget if result.budget else float("inf")
         verdict = "OVER BUDGET" if result.over_budget else "ok"
-        if result.romfs_bytes is not None:
+        if result.target.profile.get("frozen") is True:
+            verdict = (
+                "frozen: the modules of firmware/freeze/manifest.py are in the firmware, "
+                "not here; `edgebroker config check` weighs their heap"
+            )
+        elif result.romfs_bytes is not None:
             verdict = "runs from ROMFS (flash), not RAM: `edgebroker config check` weighs its heap"
         lines.append(
             f"  bytecode (.mpy) total {result.bytecode_bytes:,} of "

