@@ -372,29 +372,25 @@ def test_other_boards_full_profile_load(board, tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("interp", ["micropython", "cpython"])
 def test_esp32_frozen_eight_clients_5000_retained_and_a_bridge(interp, tmp_path):
-    """Issue 12's esp32 load on firmware with the broker frozen in (frozen:
-    true): the esp32 profile at 8 clients (its sockets' limit), 5,000
-    retained messages in disc_only and one bridge with a 256 KB queue on
-    flash passes config check with 8 KB spare (the flash of a module with
-    8 MB: 5,000 typical messages, their compaction copy and the bridge's
-    queue do not fit the 2 MB filesystem of a 4 MB one), and the emulated esp32
-    (MicroPython, the board's heap scaled, the frozen code emulated as a
-    ROMFS import with what it keeps beyond frozen added) runs that full
-    load: no MemoryError, no refusal for memory, every message delivered."""
-    prof = json.loads((REPO / "boards" / "esp32.json").read_text())
-    prof.update({
-        "frozen": True,
-        "max_clients": 8,
-        "max_retained_messages": 5000,
-        "store_budget_bytes": 655360,
-        "fs_bytes": 6291456,
-        "bridges": [{
-            "name": "cloud", "host": "127.0.0.1", "port": _free_port(),
-            "queue_bytes": 262144,
-            "topics": [{"pattern": "sensors/#", "direction": "out", "qos": 1}],
-        }],
-    })
-    path = tmp_path / "esp32_frozen.json"
+    """Issue 12's esp32 load on firmware with the broker frozen in:
+    boards/esp32_frozen.json (the esp32's per-client limits at 8 clients,
+    all its sockets; 5,000 retained messages in disc_only; frozen: true; the
+    6 MB filesystem of an 8 MB module, since 5,000 typical messages, their
+    compaction copy and a bridge's queue do not fit the 2 MB of a 4 MB one)
+    with one bridge with a 256 KB queue on flash passes config check with 8 KB
+    spare, and the emulated esp32 (MicroPython, the board's heap scaled,
+    the frozen code emulated as a ROMFS import with what it keeps beyond
+    frozen added) runs that full load: no MemoryError, no refusal for
+    memory, every message delivered."""
+    prof = json.loads((REPO / "boards" / "esp32_frozen.json").read_text())
+    assert prof["frozen"] is True and prof["max_clients"] == 8
+    assert prof["max_retained_messages"] == 5000 and prof["storage_type"] == "disc_only"
+    prof["bridges"] = [{
+        "name": "cloud", "host": "127.0.0.1", "port": _free_port(),
+        "queue_bytes": 262144,
+        "topics": [{"pattern": "sensors/#", "direction": "out", "qos": 1}],
+    }]
+    path = tmp_path / "esp32_frozen_bridged.json"
     path.write_text(json.dumps(prof))
     r = subprocess.run([str(EDGEBROKER), "config", "check", "-v", str(path)], cwd=REPO,
                        capture_output=True, text=True, timeout=30)
