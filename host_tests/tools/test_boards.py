@@ -251,6 +251,15 @@ def test_frozen_code_is_counted_below_romfs_and_mpy(tmp_path):
     assert len(errors) == 1 and "frozen = true" in errors[0] and "romfs" in errors[0], r.stderr
 
 
+def test_every_lib_module_has_a_frozen_figure():
+    """profiles.FROZEN_32 holds a measured frozen figure for every module in
+    lib/ (a new module must be measured frozen before a frozen profile can
+    count it), with its .mpy size of that day."""
+    mods = {p.stem for p in (REPO / "lib").glob("*.py")}
+    assert set(profiles.FROZEN_32) == mods
+    assert all(kept > 0 and then > kept for kept, then in profiles.FROZEN_32.values())
+
+
 def test_all_errors_are_listed(tmp_path):
     prof = esp32()
     prof.update({"max_clientz": 1, "maximum_qos": 7, "log_level": "loud", "romfs": "no"})
