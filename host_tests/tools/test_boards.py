@@ -244,6 +244,11 @@ def test_frozen_code_is_counted_below_romfs_and_mpy(tmp_path):
         want += round(kept * mpy[m] / then)
     assert figures["frozen"] == want
     assert figures["frozen"] < 0.5 * figures["romfs"] < figures["mpy"], figures
+    # a stock profile over its heap that frozen code would fit is told so
+    prof = esp32()
+    prof["max_clients"] = 8
+    r = config("check", str(write(tmp_path, "eight", prof)), check=1)
+    assert "with the broker frozen into the firmware (frozen: true" in r.stderr, r.stderr
     prof = esp32()
     prof.update({"romfs": True, "frozen": True})
     r = config("check", str(write(tmp_path, "both", prof)), check=1)

@@ -1088,11 +1088,22 @@ def _check_heap(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str)
     if total > heap:
         big = sorted(report.heap, key=lambda i: -i.bytes)[:3]
         top = ", ".join(f"{i.name} {i.bytes}" for i in big)
+        hint = ""
+        if not code_in_place(cfg) and int(cfg["word_bytes"]) == 4:
+            # the code is the largest item of a small board: say what a
+            # firmware with the broker frozen in would leave
+            frozen = sum(i.bytes for i in heap_breakdown(dict(cfg, frozen=True), costs))
+            if frozen <= heap:
+                hint = (
+                    f"; with the broker frozen into the firmware (frozen: true, "
+                    f"firmware/freeze/manifest.py) it would be {frozen}"
+                )
         report.error(
             "heap_bytes",
             f"heap_bytes = {heap}: the worst-case heap is {total}, {total - heap} over{on} "
             f"(largest: {top}; lower max_clients, max_subscriptions, max_inflight, "
-            f"max_queued (or set max_queued_total), max_sessions or the retained limits)",
+            f"max_queued (or set max_queued_total), max_sessions or the retained limits"
+            f"{hint})",
         )
     lib = runner.repo_root() / "lib"
     measured = costs.get("lib_sha256")
