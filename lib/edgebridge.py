@@ -1214,10 +1214,17 @@ class Bridge:
         inf = self.linf if live else self.inflight
         n = 0
         end = 0
-        while inf and inf[0][_I_ACK] == 1:
-            x = inf.pop(0)
+        k = 0
+        m = len(inf)
+        while k < m and inf[k][_I_ACK] == 1:
+            x = inf[k]
             n += x[_I_N]
             end = x[_I_END]
+            k += 1
+        if k:
+            # one slice deletion for the read's acknowledgements: pop(0)
+            # moved the whole window down once per message
+            del inf[:k]
         if n:
             pos = self.lpos if live else self.sendpos
             if not inf and pos > end:

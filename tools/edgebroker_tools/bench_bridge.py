@@ -13,11 +13,20 @@ one missing messages. Scenarios:
 
   throughput  QoS 1 messages/s from the local publishers to the upstream
               collector, upstream up: --publishers OS processes (4), each
-              one MQTT client with a window of 64, both bridges at 20 in
-              flight; once with the edge connected straight to the upstream
-              (direct) and once through the gate; the publishers' CPU and
-              this process's (collector and gate) are printed beside it, so
-              a saturated load generator shows
+              one MQTT client with a window of 64; once with the edge
+              connected straight to the upstream (direct) and once through
+              the gate; the publishers' CPU and this process's (collector
+              and gate) are printed beside it, so a saturated load
+              generator shows. The upstream has mosquitto's defaults: its
+              CONNACK grants a Receive Maximum of 20, and edgebroker's
+              bridge keeps to it (max_inflight 20). The gate counts the
+              QoS 1/2 PUBLISHes the edge has in flight to the upstream and
+              reports the most (mosquitto 2.0.11's bridge does not keep to
+              the upstream's Receive Maximum, MQTT-3.3.4-9: thousands)
+  open window the same two runs against a second upstream that grants no
+              Receive Maximum (max_inflight_messages 0: 65,535), edgebroker's
+              bridge at max_inflight 65,535: both bridges put as much in
+              flight as they like, within the protocol
   drain       a backlog of N messages queued during an outage: seconds and
               messages/s from the first to the last arrival once the gate opens
   power cut   the edge SIGKILLed after a quarter of the backlog arrived and
@@ -57,6 +66,8 @@ from edgebroker_tools.mqttclient import Client, MqttError
 MOSQUITTO: Final = "/usr/sbin/mosquitto"
 PAYLOAD: Final = b"x" * 32
 INFLIGHT: Final = 20
+#: edgebroker's bridge window against the upstream that grants no limit
+OPEN_INFLIGHT: Final = 65535
 WINDOW = 64  # the local publisher's QoS 1 window (--window)
 PUBLISHERS = 4  # publisher processes in the throughput scenario (--publishers)
 
@@ -82,11 +93,60 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
     raise RuntimeError(f"nothing listens on port {port}")
 
 
+class InFlight:
+    """Counts the QoS 1/2 PUBLISHes one connection has in flight: +1 for
+    each PUBLISH with QoS > 0 the edge sends, -1 for each PUBACK or PUBCOMP
+    the upstream sends (the benchmark's messages are QoS 1). Packets are
+    parsed from the relayed bytes, whatever their split into reads."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[bool, bytearray] = {True: bytearray(), False: bytearray()}
+        self.now = 0
+        self.most = 0
+
+    def feed(self, from_edge: bool, data: bytes) -> None:
+        b = self.bufs[from_edge]
+        b += data
+        i = 0
+        n = len(b)
+        while n - i >= 2:
+            first = b[i]
+            mul = 1
+            rl = 0
+            j = i + 1
+            while True:
+                if j >= n:
+                    del b[:i]
+                    return
+                c = b[j]
+                rl += (c & 127) * mul
+                mul <<= 7
+                j += 1
+                if not c & 128:
+                    break
+            if j + rl > n:
+                break
+            kind = first >> 4
+            if from_edge:
+                if kind == 3 and first & 6:
+                    self.now += 1
+                    if self.now > self.most:
+                        self.most = self.now
+            elif kind in (4, 7):
+                self.now -= 1
+            i = j + rl
+        del b[:i]
+
+
 class Gate:
-    """A loopback TCP proxy: closed, it accepts and drops connections."""
+    """A loopback TCP proxy: closed, it accepts and drops connections. It
+    counts what the edge has in flight (InFlight) on each connection and
+    keeps the most (`most_in_flight`)."""
 
     def __init__(self, target: int) -> None:
         self.target = target
+        self.counters: dict[socket.socket, InFlight] = {}
+        self.most_in_flight = 0
         self.ls = socket.socket()
         self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.ls.bind(("127.0.0.1", 0))
@@ -104,6 +164,7 @@ class Gate:
             a.close()
             b.close()
         self.pairs = []
+        self.counters = {}
 
     def stop(self) -> None:
         self.stopped = True
@@ -132,6 +193,7 @@ class Gate:
                     for x in (a, b):
                         x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self.pairs.append((a, b))
+                    self.counters[a] = self.counters[b] = InFlight()
                     continue
                 for pair in list(self.pairs):
                     if s in pair:
@@ -141,6 +203,11 @@ class Gate:
                             data = b""
                         other = pair[1] if s is pair[0] else pair[0]
                         if data:
+                            count = self.counters.get(s)
+                            if count is not None:
+                                count.feed(s is pair[0], data)
+                                if count.most > self.most_in_flight:
+                                    self.most_in_flight = count.most
                             try:
                                 other.sendall(data)
                                 continue
@@ -149,6 +216,8 @@ class Gate:
                         pair[0].close()
                         pair[1].close()
                         self.pairs.remove(pair)
+                        self.counters.pop(pair[0], None)
+                        self.counters.pop(pair[1], None)
 
 
 class Collector:
@@ -240,10 +309,11 @@ EDGES: Final = [
 class EdgeProc:
     """One edge broker process bridging to the gate."""
 
-    def __init__(self, edge: Edge, work: Path, gate_port: int) -> None:
+    def __init__(self, edge: Edge, work: Path, gate_port: int, inflight: int = INFLIGHT) -> None:
         self.edge = edge
         self.work = work
         self.gate_port = gate_port
+        self.inflight = inflight  # edgebroker's bridge max_inflight
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.data = work / "data"
@@ -285,7 +355,7 @@ class EdgeProc:
                     "host": "127.0.0.1",
                     "port": self.gate_port,
                     "client_id": "bench-edge",
-                    "max_inflight": INFLIGHT,
+                    "max_inflight": self.inflight,
                     "queue_bytes": 1 << 30,
                     "retry_min": 1,
                     "retry_max": 1,
@@ -338,14 +408,17 @@ class EdgeProc:
 
 
 @contextlib.contextmanager
-def upstream(work: Path) -> Iterator[int]:
+def upstream(work: Path, open_window: bool = False) -> Iterator[int]:
+    """The upstream mosquitto; open_window: its CONNACK grants no Receive
+    Maximum (max_inflight_messages 0), else mosquitto's default of 20."""
     port = free_port()
-    d = work / "upstream"
+    d = work / ("upstream-open" if open_window else "upstream")
     d.mkdir(parents=True, exist_ok=True)
     conf = d / "up.conf"
     conf.write_text(
         f"listener {port} 127.0.0.1\nuser {getpass.getuser()}\nallow_anonymous true\n"
         f"persistence true\npersistence_location {d}/\nmax_queued_messages 0\n"
+        + ("max_inflight_messages 0\n" if open_window else "")
     )
     log = (d / "up.log").open("ab")
     proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=log)
@@ -437,6 +510,34 @@ def _throughput(ep: EdgeProc, col: Collector, start: int, n: int) -> dict[str, A
     }
 
 
+def _open_window(edge: Edge, work: Path, n: int) -> dict[str, Any]:
+    """Throughput against an upstream that grants no Receive Maximum, direct
+    and through a gate: mosquitto's bridge puts what it likes in flight
+    whatever the upstream grants, so only here do both bridges work under
+    the same rule (edgebroker's at max_inflight OPEN_INFLIGHT)."""
+    out: dict[str, Any] = {}
+    with upstream(work, open_window=True) as up:
+        col = Collector(up)
+        gate = Gate(up)
+        try:
+            for key, port in (("open_direct", up), ("open_gate", gate.port)):
+                ep = EdgeProc(edge, work / key, port, OPEN_INFLIGHT)
+                try:
+                    ep.start()
+                    time.sleep(1.5)  # the bridge connects
+                    gate.most_in_flight = 0
+                    r = _throughput(ep, col, 0, n)
+                finally:
+                    ep.stop()
+                out[f"{key}_msg_s"] = r["msg_s"]
+                out[f"{key}_lost"] = r["lost"]
+            out["open_most_in_flight"] = gate.most_in_flight
+        finally:
+            col.stop()
+            gate.stop()
+    return out
+
+
 def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> dict[str, Any]:
     out: dict[str, Any] = {"edge": edge.name}
     with upstream(work) as up:
@@ -459,12 +560,15 @@ def run_edge(edge: Edge, work: Path, n_tp: int, n_drain: int, n_kill: int) -> di
                 out["direct_msg_s"] = d["msg_s"]
                 out["direct_lost"] = d["lost"]
                 out["direct_publishers_cpu_pct"] = d["publishers_cpu_pct"]
+                out.update(_open_window(edge, work, n_tp))
             ep.start()
             time.sleep(1.5)  # the bridge connects
             if not edge.extra:
                 # -- throughput through the gate, upstream up
+                gate.most_in_flight = 0
                 g = _throughput(ep, col, base, n_tp)
                 base += n_tp
+                out["most_in_flight"] = gate.most_in_flight
                 out["throughput_msg_s"] = g["msg_s"]
                 out["throughput_lost"] = g["lost"]
                 out["publishers_cpu_pct"] = g["publishers_cpu_pct"]
@@ -536,18 +640,25 @@ def table(rows: list[dict[str, Any]], sizes: dict[str, int]) -> str:
 
     head = (
         "| edge broker | forwarding QoS 1, direct (msg/s) | forwarding QoS 1, through the gate "
-        "(msg/s) | lost | publishers' CPU (% of a core each) | "
+        "(msg/s) | most in flight upstream (granted 20) | "
+        "upstream grants no limit: direct (msg/s) | through the gate (msg/s) | "
+        "most in flight | lost | publishers' CPU (% of a core each) | "
         "drain {d:,} (s) | drain (msg/s) | "
         "lost in drain | lost after SIGKILL mid-drain ({k:,}) | duplicates | "
         "heap B/queued msg | flash B/queued msg |".format(d=sizes["drain"], k=sizes["kill"])
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---" * 16 + "|"]
     for r in rows:
         lost = None
         if r.get("throughput_lost") is not None:
-            lost = r["throughput_lost"] + (r.get("direct_lost") or 0)
+            lost = sum(
+                r.get(k) or 0
+                for k in ("throughput_lost", "direct_lost", "open_direct_lost", "open_gate_lost")
+            )
         lines.append(
             f"| {r['edge']} | {rate(r, 'direct_msg_s')} | {rate(r, 'throughput_msg_s')} | "
+            f"{f(r.get('most_in_flight'))} | {rate(r, 'open_direct_msg_s')} | "
+            f"{rate(r, 'open_gate_msg_s')} | {f(r.get('open_most_in_flight'))} | "
             f"{f(lost)} | {f(r.get('publishers_cpu_pct'))} | {f(r.get('drain_s'), 2)} | "
             f"{f(r.get('drain_msg_s'))} | {f(r.get('drain_lost'))} | "
             f"{f(r.get('power_cut_lost'))} | {f(r.get('power_cut_duplicates'))} | "
