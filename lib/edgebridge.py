@@ -714,6 +714,11 @@ class Bridge:
         self.bset = False
         self.lsent = 0  # messages the live lane sent (status)
         self.window = c["max_inflight"]
+        # the status PUBLISH ("online", QoS 1): its packet id while in
+        # flight, -1 while it waits for room in the window, else 0. It
+        # counts against the upstream's Receive Maximum like any PUBLISH
+        # (MQTT-3.3.4-9): a full window plus it was one too many
+        self.spid = 0
         self.in2 = {}  # inbound QoS 2 packet ids waiting for PUBREL
         self.inbound = False  # publishing an upstream message locally
         self.ev = None
@@ -975,6 +980,8 @@ class Bridge:
         whose topic has no bit in bmap, i.e. nothing waiting in the slow
         lane. replay_rate paces what was queued before this connect (the
         backlog), so that live messages are not starved behind it."""
+        if self.spid < 0:
+            self._status()
         q = self.q
         rate = self.pace
         if rate:
@@ -1013,7 +1020,7 @@ class Bridge:
         inf = self.linf if live else self.inflight
         split = self.split
         wall = None
-        room = self.window - len(self.inflight) - len(self.linf)
+        room = self.window - len(self.inflight) - len(self.linf) - (1 if self.spid > 0 else 0)
         pre = None if live else self.pre
         while room > 0 and pos < q.fend:
             paced = rate and pos < self.lstart
@@ -1181,6 +1188,11 @@ class Bridge:
     def _acked(self, pid, comp):
         e = self.pids.get(pid)
         if e is None:
+            return
+        if pid == self.spid:
+            # the status PUBLISH: its slot in the window is free again
+            del self.pids[pid]
+            self.spid = 0
             return
         if e[_I_QOS] == 2 and not comp:
             # PUBREC: release it (MQTT-4.3.3) once the "R" record is on
@@ -1423,6 +1435,7 @@ class Bridge:
             "present" if sp else "new",
             self.window,
         )
+        self.spid = 0
         if sp:
             # MQTT-4.4.0-1: resend what is in flight with the same packet
             # identifiers (PUBREL for QoS 2 past PUBREC): exactly once
@@ -1434,9 +1447,8 @@ class Bridge:
         else:
             self._restart()
         if self.c["status"]:
-            self._publish(
-                self.status_topic().encode(), 1, 1, self._pid_status(), b"", -1, b"online", False
-            )
+            self.spid = -1
+            self._status()
         subs = bytearray()
         for f, _fl, r in self.inr:
             # No Local (MQTT-3.8.3-3): our own publishes never come back;
@@ -1458,6 +1470,13 @@ class Bridge:
             self.linf = []
             self.lskipn = 0
         self._state()
+
+    def _status(self):
+        # the waiting status PUBLISH goes once the window has room (a
+        # resumed session may have filled it): _connected, then _fill
+        if len(self.inflight) + len(self.linf) < self.window:
+            p = self.spid = self._pid_status()
+            self._publish(self.status_topic().encode(), 1, 1, p, b"", -1, b"online", False)
 
     def _pid_status(self):
         # a packet id outside the queue's: its acks match no entry

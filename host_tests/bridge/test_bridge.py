@@ -618,6 +618,49 @@ def test_receive_maximum_2_is_respected(broker_factory, upstream, collector, pro
 
 
 @ASYNC
+@pytest.mark.parametrize(
+    "granted, max_inflight, low, high",
+    [("max_inflight_messages 0\n", 1000, 100, 1000), ("max_inflight_messages 5\n", 50, 5, 5)],
+    ids=["no-limit-granted", "5-granted"],
+)
+def test_a_backlog_fills_the_window_and_never_more(
+    broker_factory, upstream, collector, proxy, granted, low, high, max_inflight
+):
+    """A backlog of 3,000 queued during an outage goes out when the link
+    comes back with the status PUBLISH ("online", QoS 1) of that connect:
+    together never more in flight than the window, min(the upstream's
+    Receive Maximum, max_inflight) (MQTT-3.3.4-9; the status message once
+    made it one more), and the window is used: hundreds in flight when the
+    upstream grants no limit (max_inflight_messages 0: 65,535) and the bridge
+    allows 1,000, all 5 when it grants 5. Every message once and in order;
+    the acknowledgements of each read leave the window together and the
+    cursor reaches the end (backlog 0)."""
+    up = upstream(granted)
+    col = collector(up.port)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT, max_inflight=max_inflight)])
+    wait_connected(gw)
+    px.refuse = True
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
+    sent = [("sensors/w%d" % (i % 5), b"%d" % i) for i in range(3000)]
+    publish_many(gw.port, sent)
+    assert bridge_state(gw.port)["backlog"] == 3000
+    up.start()
+    assert wait_for(lambda: col.c.is_connected(), 10)
+    with px.lock:
+        px.max_inflight = 0
+    px.refuse = False
+    wait_connected(gw, 2, timeout=20)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 60), len(arrived(col))
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    assert low <= px.max_inflight <= high, px.max_inflight
+    assert px.connections == 2  # the upstream never cut the link (0x93)
+    assert wait_for(lambda: bridge_state(gw.port)["backlog"] == 0, 10), bridge_state(gw.port)
+
+
+@ASYNC
 def test_silent_link_is_detected_and_nothing_is_lost(broker_factory, upstream, collector, proxy):
     up = upstream()
     col = collector(up.port)
