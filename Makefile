@@ -17,8 +17,9 @@ run: venv  ## broker in the foreground: make run [BOARD=esp32|path/to/profile.js
 test: venv  ## host tests, both interpreters and both servers, 4 workers by file (fails on "no tests collected" too)
 	$(VENV)/bin/pytest -p no:cacheprovider -n 4 --dist loadfile host_tests
 
-bench: venv  ## benchmarks: poll and asyncio servers on both interpreters vs mosquitto, all scenarios incl. the flash store (~6 minutes)
+bench: venv  ## benchmarks: poll and asyncio servers on both interpreters vs mosquitto, all scenarios incl. the flash store, then the bridge's (~11 minutes)
 	$(VENV)/bin/python -m edgebroker_tools.bench
+	$(VENV)/bin/python -m edgebroker_tools.bench_bridge --json build/bench-bridge.json
 
 bench-slowsub: venv  ## acknowledged QoS 1 messages lost for a slow subscriber (max_queued 100), edgebroker vs mosquitto
 	$(VENV)/bin/python -m edgebroker_tools.bench_slowsub
