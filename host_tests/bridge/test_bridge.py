@@ -489,6 +489,31 @@ def test_inbound_and_outbound_at_once_lose_nothing(broker_factory, upstream, col
     cloud.close()
 
 
+def backlog_after_outage(broker_factory, up, collector, proxy, sent, **kw):
+    """A gateway bridged to `up` through a proxy; the upstream stops, `sent`
+    is published locally (the bridge's backlog), the upstream starts again
+    and the link comes back (the proxy turns connections away until the
+    collector is back, so nothing depends on the upstream queueing for an
+    offline subscriber; its in-flight count starts at 0 there). Returns
+    (gateway, collector, proxy)."""
+    col = collector(up.port)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT, **kw)])
+    wait_connected(gw)
+    px.refuse = True
+    up.stop()
+    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
+    publish_many(gw.port, sent)
+    assert bridge_state(gw.port)["backlog"] == len(sent)
+    up.start()
+    assert wait_for(lambda: col.c.is_connected(), 10)
+    with px.lock:
+        px.max_inflight = 0
+    px.refuse = False
+    wait_connected(gw, 2, timeout=20)
+    return gw, col, px
+
+
 @ASYNC
 def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, collector, proxy):
     """The upstream stops while 2,000 QoS 1 messages are published locally
@@ -496,21 +521,8 @@ def test_outage_2000_messages_all_arrive_in_order(broker_factory, upstream, coll
     per-topic order kept. The bridge reaches the upstream through a proxy
     that turns connections away until the collector is back, so the test
     does not depend on the upstream queueing for an offline subscriber."""
-    up = upstream()
-    col = collector(up.port)
-    px = proxy(up.port)
-    gw = gateway(broker_factory, [bridge(px.port, OUT)])
-    wait_connected(gw)
-    px.refuse = True
-    up.stop()
-    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
     sent = [("sensors/s%d" % (i % 7), b"%d" % i) for i in range(2000)]
-    publish_many(gw.port, sent)
-    assert bridge_state(gw.port)["backlog"] == 2000
-    up.start()
-    assert wait_for(lambda: col.c.is_connected(), 10)
-    px.refuse = False
-    wait_connected(gw, 2, timeout=20)
+    gw, col, _px = backlog_after_outage(broker_factory, upstream(), collector, proxy, sent)
     want = [("site1/gw1/" + t, p) for t, p in sent]
     assert wait_for(lambda: len(arrived(col)) >= len(want), 40), (len(arrived(col)), bridge_state(gw.port))
     check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
@@ -635,23 +647,10 @@ def test_a_backlog_fills_the_window_and_never_more(
     allows 1,000, all 5 when it grants 5. Every message once and in order;
     the acknowledgements of each read leave the window together and the
     cursor reaches the end (backlog 0)."""
-    up = upstream(granted)
-    col = collector(up.port)
-    px = proxy(up.port)
-    gw = gateway(broker_factory, [bridge(px.port, OUT, max_inflight=max_inflight)])
-    wait_connected(gw)
-    px.refuse = True
-    up.stop()
-    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
     sent = [("sensors/w%d" % (i % 5), b"%d" % i) for i in range(3000)]
-    publish_many(gw.port, sent)
-    assert bridge_state(gw.port)["backlog"] == 3000
-    up.start()
-    assert wait_for(lambda: col.c.is_connected(), 10)
-    with px.lock:
-        px.max_inflight = 0
-    px.refuse = False
-    wait_connected(gw, 2, timeout=20)
+    gw, col, px = backlog_after_outage(
+        broker_factory, upstream(granted), collector, proxy, sent, max_inflight=max_inflight
+    )
     want = [("site1/gw1/" + t, p) for t, p in sent]
     assert wait_for(lambda: len(arrived(col)) >= len(want), 60), len(arrived(col))
     check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
