@@ -719,6 +719,10 @@ class Bridge:
         # counts against the upstream's Receive Maximum like any PUBLISH
         # (MQTT-3.3.4-9): a full window plus it was one too many
         self.spid = 0
+        # in-flight entries of a resumed session not yet sent again: they go
+        # as the window allows, the upstream's Receive Maximum may be lower
+        # than what was in flight before (MQTT-3.3.4-9)
+        self.rwait = []
         self.in2 = {}  # inbound QoS 2 packet ids waiting for PUBREL
         self.inbound = False  # publishing an upstream message locally
         self.ev = None
@@ -980,6 +984,8 @@ class Bridge:
         whose topic has no bit in bmap, i.e. nothing waiting in the slow
         lane. replay_rate paces what was queued before this connect (the
         backlog), so that live messages are not starved behind it."""
+        if self.rwait:
+            self._resends()
         if self.spid < 0:
             self._status()
         q = self.q
@@ -1438,12 +1444,10 @@ class Bridge:
         self.spid = 0
         if sp:
             # MQTT-4.4.0-1: resend what is in flight with the same packet
-            # identifiers (PUBREL for QoS 2 past PUBREC): exactly once
-            for e in self.inflight + self.linf:
-                if e[_I_ACK] == 2:
-                    self.out += b"\x62\x02" + eb.u16(e[_I_PID])
-                elif e[_I_ACK] == 0:
-                    self._resend(e)
+            # identifiers (PUBREL for QoS 2 past PUBREC): exactly once, in
+            # order, within this connection's window (_resends)
+            self.rwait = [e for e in self.inflight + self.linf if e[_I_ACK] != 1]
+            self._resends()
         else:
             self._restart()
         if self.c["status"]:
@@ -1471,6 +1475,21 @@ class Bridge:
             self.lskipn = 0
         self._state()
 
+    def _resends(self):
+        # the waiting resends, while the window has room: a message still
+        # waiting here counts as not in flight, one acknowledged and not
+        # yet dropped from the front still does (the window's count stays
+        # on the safe side); _connected, then _fill
+        rw = self.rwait
+        busy = len(self.inflight) + len(self.linf) - len(rw)
+        while rw and busy < self.window:
+            e = rw.pop(0)
+            if e[_I_ACK] == 2:
+                self.out += b"\x62\x02" + eb.u16(e[_I_PID])
+            elif e[_I_ACK] == 0:
+                self._resend(e)
+            busy += 1
+
     def _status(self):
         # the waiting status PUBLISH goes once the window has room (a
         # resumed session may have filled it): _connected, then _fill
@@ -1488,6 +1507,7 @@ class Bridge:
         # a new upstream session: everything from the cursor goes again
         self.hiwater = max(self.hiwater, self.sendpos, self.lpos)
         self.inflight = []
+        self.rwait = []
         self.pids = {}
         self.skipn = 0
         self.sendpos = self.sfront = self.q.cursor

@@ -181,6 +181,7 @@ class Proxy:
         self.ls.listen(4)
         self.port = self.ls.getsockname()[1]
         self.frozen = False
+        self.cutting = False  # cut(): the proxy's thread closes every pair
         self.refuse = False  # accept and close at once (the upstream is away)
         self.accepts = 0     # connection attempts that reached the proxy
         self.stopped = False
@@ -197,6 +198,11 @@ class Proxy:
 
     def thaw(self):
         self.frozen = False
+
+    def cut(self):
+        """Closes every relayed connection (from the proxy's own thread)."""
+        self.cutting = True
+        assert wait_for(lambda: not self.cutting, 5)
 
     def close(self):
         self.stopped = True
@@ -239,6 +245,12 @@ class Proxy:
 
     def _run(self):
         while not self.stopped:
+            if self.cutting:
+                for a, b, _, _ in self.pairs:
+                    a.close()
+                    b.close()
+                self.pairs = []
+                self.cutting = False
             socks = [self.ls] + [p[0] for p in self.pairs] + [p[1] for p in self.pairs]
             r, _, _ = select.select(socks, [], [], 0.05)
             for s in r:
@@ -500,17 +512,12 @@ def backlog_after_outage(broker_factory, up, collector, proxy, sent, **kw):
     px = proxy(up.port)
     gw = gateway(broker_factory, [bridge(px.port, OUT, **kw)])
     wait_connected(gw)
-    px.refuse = True
-    up.stop()
-    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
+    go_down(gw, up, px)
     publish_many(gw.port, sent)
     assert bridge_state(gw.port)["backlog"] == len(sent)
-    up.start()
-    assert wait_for(lambda: col.c.is_connected(), 10)
     with px.lock:
         px.max_inflight = 0
-    px.refuse = False
-    wait_connected(gw, 2, timeout=20)
+    come_back(gw, up, px, col)
     return gw, col, px
 
 
@@ -657,6 +664,42 @@ def test_a_backlog_fills_the_window_and_never_more(
     assert low <= px.max_inflight <= high, px.max_inflight
     assert px.connections == 2  # the upstream never cut the link (0x93)
     assert wait_for(lambda: bridge_state(gw.port)["backlog"] == 0, 10), bridge_state(gw.port)
+
+
+@ASYNC
+def test_a_resumed_session_resends_within_a_smaller_receive_maximum(
+    broker_factory, upstream, collector, proxy
+):
+    """20 QoS 1 messages in flight (the proxy holds them) when the link is
+    cut; the upstream comes back granting 3 and the bridge's session with
+    it: the 20 are sent again (MQTT-4.4.0-1) as the window of 3 allows,
+    never all at once (MQTT-3.3.4-9), then the rest; every message arrives,
+    per-topic order kept."""
+    up = upstream("max_inflight_messages 20\n")
+    col = collector(up.port)
+    px = proxy(up.port)
+    gw = gateway(broker_factory, [bridge(px.port, OUT, max_inflight=20)])
+    wait_connected(gw)
+    px.freeze()
+    sent = [("sensors/v%d" % (i % 3), b"%d" % i) for i in range(50)]
+    publish_many(gw.port, sent)
+    time.sleep(0.5)  # the bridge sends its window of 20 into the held proxy
+    px.refuse = True
+    px.cut()
+    px.thaw()
+    assert gw.wait_log("bridge cloud: link down", 15), gw.log_text()[-2000:]
+    up.stop()
+    up.conf.write_text(
+        up.conf.read_text().replace("max_inflight_messages 20", "max_inflight_messages 3")
+    )
+    with px.lock:
+        px.max_inflight = 0
+    come_back(gw, up, px, col)
+    assert gw.wait_log("session present, receive maximum 3", 5), gw.log_text()[-2000:]
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 30), len(arrived(col))
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    assert 1 <= px.max_inflight <= 3, px.max_inflight
 
 
 @ASYNC
