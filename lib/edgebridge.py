@@ -1481,7 +1481,7 @@ class Bridge:
         # yet dropped from the front still does (the window's count stays
         # on the safe side); _connected, then _fill
         rw = self.rwait
-        busy = len(self.inflight) + len(self.linf) - len(rw)
+        busy = len(self.inflight) + len(self.linf) - len(rw) + (1 if self.spid > 0 else 0)
         while rw and busy < self.window:
             e = rw.pop(0)
             if e[_I_ACK] == 2:
