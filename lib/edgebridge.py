@@ -737,6 +737,8 @@ class Bridge:
         self.err = ""
         self.sent = 0
         self.acked = 0
+        self.ack_seen = 0  # acked when last_ack was last set (_serve)
+        self.last_ack = 0  # when an acknowledgement last came, or nothing was in flight
         self.dropped0 = 0  # QoS 0 messages dropped while the link was down
         self.lskip = 0  # queued messages skipped: a newer one of their topic (latest)
         self.latest = {}  # latest mode: topic hash -> newest record offset
@@ -1199,6 +1201,7 @@ class Bridge:
             # the status PUBLISH: its slot in the window is free again
             del self.pids[pid]
             self.spid = 0
+            self.ack_seen = -1  # an acknowledgement came (_serve's timeout)
             return
         if e[_I_QOS] == 2 and not comp:
             # PUBREC: release it (MQTT-4.3.3) once the "R" record is on
@@ -1378,7 +1381,7 @@ class Bridge:
         self.rbuf = bytearray()
         self.connack = None
         self.out = bytearray(self._connect_packet())
-        self.last_rx = self.last_tx = self.last_ping = clock()
+        self.last_rx = self.last_tx = self.last_ping = self.last_ack = clock()
         rd = aio.create_task(self._reader(s, clock))
         try:
             deadline = clock() + c["connect_timeout"]
@@ -1572,6 +1575,16 @@ class Bridge:
             if now - self.last_rx >= ka / 2 and now - self.last_ping >= ka / 2:
                 self.out += b"\xc0\x00"
                 self.last_ping = now
+            if self.acked != self.ack_seen or not (self.inflight or self.linf or self.spid > 0):
+                self.ack_seen = self.acked
+                self.last_ack = now
+            elif now - self.last_ack >= ka:
+                # messages in flight and no acknowledgement for a keep-alive
+                # period on a live link (an upstream that lost one: with a
+                # small window the drain would stall for good). A new
+                # connection resumes the session and sends them again
+                # (MQTT-4.4.0-1, DUP)
+                raise _Down("no acknowledgement from upstream in %d s" % ka)
             self._fill(now)
             self._flush()
             if self.q.kdirty and now - self.last_k >= 0.2:

@@ -182,6 +182,7 @@ class Proxy:
         self.port = self.ls.getsockname()[1]
         self.frozen = False
         self.cutting = False  # cut(): the proxy's thread closes every pair
+        self.drop_acks = 0  # PUBACKs from the upstream to drop (not forwarded)
         self.refuse = False  # accept and close at once (the upstream is away)
         self.accepts = 0     # connection attempts that reached the proxy
         self.stopped = False
@@ -208,7 +209,7 @@ class Proxy:
         self.stopped = True
         self.t.join(3)
         self.ls.close()
-        for a, b, _, _ in self.pairs:
+        for a, b, *_ in self.pairs:
             a.close()
             b.close()
 
@@ -243,10 +244,37 @@ class Proxy:
             buf = buf[j + n:]
         return buf
 
+    def _drop_acks(self, pair, data):
+        # the downward bytes packet by packet while PUBACKs are to be dropped
+        # (a held partial packet goes on with the next read)
+        held = pair[4]
+        buf = held + data
+        out = bytearray()
+        while len(buf) >= 2:
+            n, sh, j = 0, 0, 1
+            while j < len(buf):
+                d = buf[j]
+                j += 1
+                n |= (d & 0x7F) << sh
+                if not d & 0x80:
+                    break
+                sh += 7
+            else:
+                break
+            if j + n > len(buf):
+                break
+            if buf[0] >> 4 == 4 and self.drop_acks:
+                self.drop_acks -= 1
+            else:
+                out += buf[:j + n]
+            buf = buf[j + n:]
+        held[:] = buf
+        return bytes(out)
+
     def _run(self):
         while not self.stopped:
             if self.cutting:
-                for a, b, _, _ in self.pairs:
+                for a, b, *_ in self.pairs:
                     a.close()
                     b.close()
                 self.pairs = []
@@ -266,12 +294,12 @@ class Proxy:
                         a.close()
                         continue
                     self.connections += 1
-                    self.pairs.append((a, b, bytearray(), bytearray()))
+                    self.pairs.append((a, b, bytearray(), bytearray(), bytearray()))
                     continue
                 if self.frozen:
                     continue
                 for p in list(self.pairs):
-                    a, b, ua, db = p
+                    a, b, ua, db, _ = p
                     if s is a or s is b:
                         try:
                             data = s.recv(65536)
@@ -282,6 +310,8 @@ class Proxy:
                             b.close()
                             self.pairs.remove(p)
                             break
+                        if s is b and self.drop_acks:
+                            data = self._drop_acks(p, data)
                         (b if s is a else a).sendall(data)
                         if s is a:
                             ua += data
@@ -700,6 +730,40 @@ def test_a_resumed_session_resends_within_a_smaller_receive_maximum(
     assert wait_for(lambda: len(arrived(col)) >= len(want), 30), len(arrived(col))
     check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
     assert 1 <= px.max_inflight <= 3, px.max_inflight
+
+
+@ASYNC
+@pytest.mark.parametrize("lost", ["status", "message"])
+def test_a_lost_acknowledgement_does_not_stall_the_drain(
+    broker_factory, upstream, collector, proxy, lost
+):
+    """One PUBACK from the upstream never reaches the bridge (the proxy
+    drops it: the status message's, or the first queued message's) while
+    the link stays alive (PINGRESPs come) and max_inflight is 1: after a
+    keep-alive period with no acknowledgement the bridge connects again,
+    resumes the session and sends what was in flight again (DUP); every
+    message arrives, in order, and the drain goes on (mosquitto's bridge
+    stalls for good here, its issue #2176)."""
+    up = upstream()
+    col = collector(up.port)
+    px = proxy(up.port)
+    if lost == "status":
+        px.drop_acks = 1  # the first PUBACK on the link: the status message's
+    gw = gateway(broker_factory, [bridge(px.port, OUT, max_inflight=1, keepalive=5)])
+    wait_connected(gw)
+    if lost == "message":
+        assert wait_for(lambda: bridge_state(gw.port)["connected"], 5)
+        time.sleep(0.5)  # the status message's PUBACK has come
+        px.drop_acks = 1
+    sent = [("sensors/a", b"%d" % i) for i in range(10)]
+    publish_many(gw.port, sent)
+    assert gw.wait_log("no acknowledgement from upstream in 5 s", 15), gw.log_text()[-2000:]
+    wait_connected(gw, 2, timeout=15)
+    want = [("site1/gw1/" + t, p) for t, p in sent]
+    assert wait_for(lambda: len(arrived(col)) >= len(want), 20), len(arrived(col))
+    check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+    assert wait_for(lambda: bridge_state(gw.port)["backlog"] == 0, 10), bridge_state(gw.port)
+    assert px.drop_acks == 0
 
 
 @ASYNC
