@@ -166,6 +166,30 @@ def collector():
 
 
 # -------------------------------------------------------------- the proxy
+def split_packets(buf):
+    """The complete MQTT packets at the start of buf, as (start, body
+    start, end) offsets, and where the incomplete rest begins."""
+    out = []
+    i = 0
+    while len(buf) - i >= 2:
+        n = sh = 0
+        j = i + 1
+        while j < len(buf):
+            d = buf[j]
+            j += 1
+            n |= (d & 0x7F) << sh
+            if not d & 0x80:
+                break
+            sh += 7
+        else:
+            break
+        if j + n > len(buf):
+            break
+        out.append((i, j, j + n))
+        i = j + n
+    return out, i
+
+
 class Proxy:
     """A loopback TCP proxy between the gateway and the upstream that the
     test controls: freeze() stops forwarding without closing (a silent
@@ -215,25 +239,12 @@ class Proxy:
 
     def _parse(self, buf, upward):
         # complete packets only; returns the bytes left
-        while len(buf) >= 2:
-            n = 0
-            sh = 0
-            j = 1
-            while True:
-                if j >= len(buf):
-                    return buf
-                d = buf[j]
-                j += 1
-                n |= (d & 0x7F) << sh
-                if not d & 0x80:
-                    break
-                sh += 7
-            if j + n > len(buf):
-                return buf
-            t = buf[0] >> 4
-            body = buf[j:j + n]
-            with self.lock:
-                if upward and t == 3 and buf[0] >> 1 & 3:
+        pkts, rest = split_packets(buf)
+        with self.lock:
+            for i, j, end in pkts:
+                t = buf[i] >> 4
+                body = buf[j:end]
+                if upward and t == 3 and buf[i] >> 1 & 3:
                     tl = body[0] << 8 | body[1]
                     self.inflight.add(body[2 + tl] << 8 | body[3 + tl])
                     self.max_inflight = max(self.max_inflight, len(self.inflight))
@@ -241,34 +252,21 @@ class Proxy:
                     self.inflight.discard(body[0] << 8 | body[1])
                 elif upward and t == 1:
                     self.inflight.clear()  # a new connection
-            buf = buf[j + n:]
-        return buf
+        return buf[rest:]
 
     def _drop_acks(self, pair, data):
         # the downward bytes packet by packet while PUBACKs are to be dropped
         # (a held partial packet goes on with the next read)
         held = pair[4]
         buf = held + data
+        pkts, rest = split_packets(buf)
         out = bytearray()
-        while len(buf) >= 2:
-            n, sh, j = 0, 0, 1
-            while j < len(buf):
-                d = buf[j]
-                j += 1
-                n |= (d & 0x7F) << sh
-                if not d & 0x80:
-                    break
-                sh += 7
-            else:
-                break
-            if j + n > len(buf):
-                break
-            if buf[0] >> 4 == 4 and self.drop_acks:
+        for i, _j, end in pkts:
+            if buf[i] >> 4 == 4 and self.drop_acks:
                 self.drop_acks -= 1
             else:
-                out += buf[:j + n]
-            buf = buf[j + n:]
-        held[:] = buf
+                out += buf[i:end]
+        held[:] = buf[rest:]
         return bytes(out)
 
     def _run(self):
