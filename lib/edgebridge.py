@@ -1028,7 +1028,7 @@ class Bridge:
         inf = self.linf if live else self.inflight
         split = self.split
         wall = None
-        room = self.window - len(self.inflight) - len(self.linf) - (1 if self.spid > 0 else 0)
+        room = self.window - self._flight()
         pre = None if live else self.pre
         while room > 0 and pos < q.fend:
             paced = rate and pos < self.lstart
@@ -1478,13 +1478,19 @@ class Bridge:
             self.lskipn = 0
         self._state()
 
+    def _flight(self):
+        # the QoS 1/2 PUBLISHes the window counts (MQTT-3.3.4-9): both
+        # lanes' entries (resends still waiting included: the safe side)
+        # and the status message while it is in flight
+        return len(self.inflight) + len(self.linf) + (1 if self.spid > 0 else 0)
+
     def _resends(self):
         # the waiting resends, while the window has room: a message still
         # waiting here counts as not in flight, one acknowledged and not
         # yet dropped from the front still does (the window's count stays
         # on the safe side); _connected, then _fill
         rw = self.rwait
-        busy = len(self.inflight) + len(self.linf) - len(rw) + (1 if self.spid > 0 else 0)
+        busy = self._flight() - len(rw)
         while rw and busy < self.window:
             e = rw.pop(0)
             if e[_I_ACK] == 2:
@@ -1496,7 +1502,7 @@ class Bridge:
     def _status(self):
         # the waiting status PUBLISH goes once the window has room (a
         # resumed session may have filled it): _connected, then _fill
-        if len(self.inflight) + len(self.linf) < self.window:
+        if self._flight() < self.window:
             p = self.spid = self._pid_status()
             self._publish(self.status_topic().encode(), 1, 1, p, b"", -1, b"online", False)
 
