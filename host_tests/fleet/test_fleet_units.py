@@ -21,7 +21,7 @@ from edgebroker_tools.cli import main as cli_main
 from edgebroker_tools.fleet import collect, decode, mqtt5, props, synth
 from edgebroker_tools.fleet.inventory import InventoryError, load_inventory
 from edgebroker_tools.fleet.progress import Progress
-from edgebroker_tools.fleet.schema import SNAPSHOT_SCHEMA, TOTAL_COLUMNS
+from edgebroker_tools.fleet.schema import FACT_COLUMNS, SNAPSHOT_SCHEMA, TOTAL_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "host_tests" / "data"
@@ -282,6 +282,32 @@ def test_collection_totals_ride_on_the_first_header_row_of_each_collection() -> 
     # statistics); a retained row's text is derived from its payload
     text = decode.sys_text_only(table).column("payload_text").to_pylist()
     assert text == [None, None, None, None, "123456789", None, None]
+
+
+def test_the_observations_keep_a_collections_facts_on_its_header_rows_only() -> None:
+    # the build reads board, source, run_id and the limits from the header
+    # rows alone (job.collections), and the property bytes only through
+    # with_totals: the other rows carry nulls, not a copy each
+    facts = {"board": "esp32", "source": "mqtt", "run_id": "r1",
+             "limit_max_retained_messages": 256, "limit_max_clients": 4}  # fmt: skip
+    rows = [
+        {"gateway_id": "g", "collected_at": WHEN, "topic": None, "payload": None,
+         "props_bytes": None, **facts},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "a/b", "payload": b"1",
+         "props_bytes": 7, **facts},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "$SYS/broker/uptime",
+         "payload": b"5", **facts},
+    ]  # fmt: skip
+    table = decode.with_totals(decode.conform(pa.Table.from_pylist(rows), "test"))
+    out = decode.facts_on_headers(table).to_pylist()
+    assert [r["topic"] for r in out] == [None, "a/b", "$SYS/broker/uptime"]
+    for name in FACT_COLUMNS:
+        assert [r[name] for r in out] == [out[0][name], None, None], name
+    assert out[0]["board"] == "esp32" and out[0]["limit_max_clients"] == 4
+    assert [r["props_bytes"] for r in out] == [None, None, None]
+    # everything else is kept, the totals (summed before) included
+    assert [r["payload"] for r in out] == [None, b"1", b"5"]
+    assert out[0]["_retained_bytes"] == 3 + 1 + 7
 
 
 def test_ingest_reports_each_file_and_yields_only_good_ones(tmp_path: Path) -> None:

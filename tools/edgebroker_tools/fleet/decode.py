@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 from edgebroker_tools.commands import store_report
 from edgebroker_tools.fleet import props
 from edgebroker_tools.fleet.schema import (
+    FACT_COLUMNS,
     INGEST_SCHEMA,
     LIMIT_KEYS,
     REQUIRED_COLUMNS,
@@ -237,6 +238,21 @@ def sys_text_only(table: pa.Table) -> pa.Table:
     return table.set_column(i, table.schema.field(i), text)
 
 
+def facts_on_headers(table: pa.Table) -> pa.Table:
+    """A collection's facts (board, source, run_id, the limits) and the
+    stored property bytes kept on its header rows only, null on the others:
+    the build reads the facts from the header rows alone (job.collections),
+    and with_totals has already summed the property bytes, so the
+    observations need not carry and store them once a row."""
+    head = pc.is_null(table.column("topic"))
+    for name in (*FACT_COLUMNS, "props_bytes"):
+        i = table.schema.get_field_index(name)
+        fld = table.schema.field(i)
+        kept = pc.if_else(head, table.column(i), pa.scalar(None, fld.type))
+        table = table.set_column(i, fld, kept)
+    return table
+
+
 # ---------------------------------------------------------------- Parquet
 def conform(table: pa.Table, what: str) -> pa.Table:
     """A snapshot table cast to SNAPSHOT_SCHEMA; DecodeError when it cannot be."""
@@ -410,4 +426,4 @@ def ingest_tables(
                 continue
             statuses.append(FileStatus(path, kind, table.num_rows))
             table = table.append_column("_file", pa.repeat(pa.scalar(path), table.num_rows))
-            yield with_totals(sys_text_only(table)).cast(INGEST_SCHEMA)
+            yield facts_on_headers(with_totals(sys_text_only(table))).cast(INGEST_SCHEMA)

@@ -26,9 +26,12 @@ commit protocol: schema.py):
    decoded rows instead cost more than the reads it saved (6.3 M rows:
    ingest 28.8 -> 16.7 s, the tables 4 s slower). A tiny input stays in
    memory (its rows are a local Arrow table already). The decoder puts
-   each collection's retained totals on its header row and keeps
-   payload_text for $SYS rows only (decode.with_totals, sys_text_only): no
-   step aggregates every row, and no payload is stored twice.
+   each collection's retained totals on its header row, keeps
+   payload_text for $SYS rows only, and the collection's facts (board,
+   source, run_id, limits) on its header rows only (decode.with_totals,
+   sys_text_only, facts_on_headers): no step aggregates every row, no
+   payload is stored twice, and no fact is converted and written once a
+   row (6.3 M rows: the ingest's write about 20% faster).
 3. Everything else is recomputed from all committed batches plus this
    one, so the tables depend on the set of rows ingested, never on the
    order of builds: a build over the same input gives the same tables, and

@@ -34,7 +34,8 @@ the build reaches it only through Spark and the Hadoop FileSystem API:
                                 its latest collect attempt (status, last error) and last success
     WAREHOUSE/builds/<build_id>/patches/<board>.json   the advice as
                                 `edgebroker config apply` patches
-    WAREHOUSE/_observations/batch=<build_id>/   the snapshot rows one build ingested
+    WAREHOUSE/_observations/batch=<build_id>/   the snapshot rows one build ingested (INGEST_SCHEMA:
+                                a collection's facts on its header rows only, totals added)
                                 (the tables are computed from all committed batches)
 
 A commit record (JSON) names everything a reader needs:
@@ -72,6 +73,9 @@ LIMIT_KEYS: Final = (
     "max_clients",
 )
 LIMIT_COLUMNS: Final = tuple(f"limit_{k}" for k in LIMIT_KEYS)
+#: A collection's facts: on every snapshot row (a file stands alone), on
+#: the header rows only in the observations (decode.facts_on_headers)
+FACT_COLUMNS: Final = ("board", "source", "run_id", *LIMIT_COLUMNS)
 
 USER_PROPERTY: Final = pa.struct([("key", pa.string()), ("value", pa.string())])
 TIMESTAMP: Final = pa.timestamp("us", tz="UTC")
