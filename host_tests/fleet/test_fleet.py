@@ -584,6 +584,27 @@ def test_a_build_killed_at_each_step_leaves_the_previous_tables_and_the_next_rep
     assert not left["batches"] and not left["tmp"]
 
 
+def test_snapshots_without_a_collect_log_give_an_empty_collect_status_of_the_same_columns(
+    round2: dict[str, Any], spark: Any, tmp_path: Path
+) -> None:
+    # synth (or copied) snapshots have no collect_log.jsonl: the table is
+    # still written, with no row and the columns and types of a build that
+    # had a log (the job writes it from an empty local relation)
+    from edgebroker_tools.fleet import synth
+
+    snaps = tmp_path / "snaps"
+    synth.generate(snaps, 4, 3, 1, seed=5, per_file=4)
+    assert not (snaps / "collect_log.jsonl").exists()
+    wh = tmp_path / "wh"
+    job.build(spark, opts(snaps, wh))
+    empty = pq.read_table(wh / commit(wh)["tables"]["collect_status"])
+    logged_wh = round2["warehouse"]
+    logged = pq.read_table(logged_wh / commit(logged_wh)["tables"]["collect_status"])
+    assert logged.num_rows > 0 and empty.num_rows == 0
+    assert empty.schema.remove_metadata() == logged.schema.remove_metadata()
+    assert tuple(empty.column_names) == job.COLLECT_STATUS_COLUMNS
+
+
 # ------------------------------------------------------------------ report
 def test_report_renders_in_headless_chromium_and_names_the_gateways_to_act_on(
     spark: Any, tmp_path: Path
