@@ -1490,14 +1490,19 @@ class Bridge:
         # yet dropped from the front still does (the window's count stays
         # on the safe side); _connected, then _fill
         rw = self.rwait
-        busy = self._flight() - len(rw)
-        while rw and busy < self.window:
-            e = rw.pop(0)
+        n = len(rw)
+        busy = self._flight() - n
+        k = 0
+        while k < n and busy < self.window:
+            e = rw[k]
+            k += 1
             if e[_I_ACK] == 2:
                 self.out += b"\x62\x02" + eb.u16(e[_I_PID])
             elif e[_I_ACK] == 0:
                 self._resend(e)
             busy += 1
+        if k:
+            del rw[:k]  # one deletion (a resumed window may be thousands)
 
     def _status(self):
         # the waiting status PUBLISH goes once the window has room (a
@@ -1581,7 +1586,7 @@ class Bridge:
             if now - self.last_rx >= ka / 2 and now - self.last_ping >= ka / 2:
                 self.out += b"\xc0\x00"
                 self.last_ping = now
-            if self.acked != self.ack_seen or not (self.inflight or self.linf or self.spid > 0):
+            if self.acked != self.ack_seen or not self._flight():
                 self.ack_seen = self.acked
                 self.last_ack = now
             elif now - self.last_ack >= ka:

@@ -27,6 +27,8 @@ import pytest
 from mqtt_helpers import make_certs
 from mqtt_helpers import free_port, wait_for
 
+from edgebroker_tools.mqttclient import split_packets
+
 MOSQUITTO = "/usr/sbin/mosquitto"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -166,30 +168,7 @@ def collector():
 
 
 # -------------------------------------------------------------- the proxy
-def split_packets(buf):
-    """The complete MQTT packets at the start of buf, as (start, body
-    start, end) offsets, and where the incomplete rest begins."""
-    out = []
-    i = 0
-    while len(buf) - i >= 2:
-        n = sh = 0
-        j = i + 1
-        while j < len(buf):
-            d = buf[j]
-            j += 1
-            n |= (d & 0x7F) << sh
-            if not d & 0x80:
-                break
-            sh += 7
-        else:
-            break
-        if j + n > len(buf):
-            break
-        out.append((i, j, j + n))
-        i = j + n
-    return out, i
-
-
+# (split_packets: the tools' client's, shared with the load generators)
 class Proxy:
     """A loopback TCP proxy between the gateway and the upstream that the
     test controls: freeze() stops forwarding without closing (a silent
@@ -241,10 +220,10 @@ class Proxy:
         # complete packets only; returns the bytes left
         pkts, rest = split_packets(buf)
         with self.lock:
-            for i, j, end in pkts:
-                t = buf[i] >> 4
+            for first, j, end in pkts:
+                t = first >> 4
                 body = buf[j:end]
-                if upward and t == 3 and buf[i] >> 1 & 3:
+                if upward and t == 3 and first >> 1 & 3:
                     tl = body[0] << 8 | body[1]
                     self.inflight.add(body[2 + tl] << 8 | body[3 + tl])
                     self.max_inflight = max(self.max_inflight, len(self.inflight))
@@ -261,11 +240,13 @@ class Proxy:
         buf = held + data
         pkts, rest = split_packets(buf)
         out = bytearray()
-        for i, _j, end in pkts:
-            if buf[i] >> 4 == 4 and self.drop_acks:
+        start = 0  # packets are back to back from the start of buf
+        for first, _j, end in pkts:
+            if first >> 4 == 4 and self.drop_acks:
                 self.drop_acks -= 1
             else:
-                out += buf[i:end]
+                out += buf[start:end]
+            start = end
         held[:] = buf[rest:]
         return bytes(out)
 
