@@ -571,8 +571,9 @@ _FILE_SIZES: Final = ("mpy_file_bytes", "image_bytes")
 #: Figures that are the same on every port by construction, never scaled:
 #: the disc_only index entry is an array('I') word, 4 bytes on 32 and 64
 #: bits (4.00 B a message on a 32-bit unix port between stores of 256 and
-#: 5,000, docs/boards.md). The WebAssembly port's reading of it (4.0-5.6
-#: from run to run: its collector keeps some garbage) is recorded, not used.
+#: 5,000, docs/boards.md). The WebAssembly port's reading of it (4.0 since
+#: its stores are filled a step at a time; 4.0-5.6 before, garbage pinned
+#: by one long step) is recorded, not used.
 _WORD_SIZE_FREE: Final = ("retained.disc_only.per_message",)
 #: Which measured 32-bit ratio (memory_costs.json "costs_32bit", made by
 #: edgebroker_tools.measure32 on the npm WebAssembly MicroPython) scales a
