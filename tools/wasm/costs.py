@@ -224,8 +224,9 @@ def steps(out):
     # can only add garbage: about 1 KB either way was seen on this port).
     # Filled a step at a time: one long step left up to 1.4 KB of garbage
     # pinned (4,096 messages), which read as 0.3 B a message more. The
-    # disc_only index over 1,024 -> 4,096 (as the unix port's figure: its
-    # 4 B a message against the noise of 3,072 messages, not 768).
+    # disc_only index is measured between 1,024 and 4,096 messages: its
+    # 4 B a message against the noise of 3,072 messages, not 768 (the
+    # socket-level figure spans 256 -> 4,096 for the same reason).
     # (No new names here: each is a qstr, and the interned strings' pool
     # growth lands on whichever module imports then, docs/boards.md.)
     for kind, n in (("ram", 256), ("disc_only", 1024)):
