@@ -1,0 +1,454 @@
+"""Sessions under a random schedule, checked against a model: seeded runs of
+publishers and persistent subscribers that read late, hold acknowledgements,
+drop their connections without DISCONNECT, take their own sessions over and
+resume, while the test keeps what the specification promises and checks it
+at the end:
+
+- every QoS 1/2 message acknowledged to its publisher reaches every session
+  whose subscriptions matched it when it was acknowledged, at the highest
+  granted QoS of those subscriptions (MQTT-3.3.4-2; 4.3.2, 4.3.3; a session
+  keeps them across connections, MQTT-3.1.2-5), and one that was delivered
+  but not acknowledged comes again on resume (MQTT-4.4.0-1);
+- QoS 2 reaches the application once per matching subscription at most
+  (4.3.3: the receiver keeps each packet id until PUBREL);
+- per publisher, topic and QoS, the first deliveries keep the order of
+  publication (ordered topic, 4.6);
+- nothing is delivered that no subscription matched when it was
+  acknowledged (after UNSUBACK nothing new, MQTT-3.10.4-2), nor QoS 0 more
+  than once per matching subscription; a subscription replaced by the same
+  one does not interrupt the flow (MQTT-3.8.4-3);
+- a message that comes with RETAIN 1 comes because a SUBSCRIBE asked for
+  the retained messages (MQTT-3.3.1-9: a live one comes with RETAIN 0) and
+  was published retained to a topic that filter matches;
+- the retained set at the end is the last retained publish of each topic,
+  an empty payload deleting it (MQTT-3.3.1-6, MQTT-3.3.1-10).
+
+The limits are set so that nothing may be dropped (max_queued and
+max_queued_bytes high); QoS 0 is only held to "at most once" (a QoS 0
+message to a session that is not connected may be dropped, 4.3.1).
+Runs on both interpreters and both servers (the fixture), and against
+mosquitto with EDGEBROKER_TEST_BROKER=mosquitto (the test's own check).
+"""
+
+import random
+import socket
+import struct
+import time
+
+import pytest
+from mqtt_helpers import (
+    PINGRESP,
+    PUBACK,
+    PUBCOMP,
+    PUBLISH,
+    PUBREC,
+    PUBREL,
+    RECEIVE_MAXIMUM,
+    SUBACK,
+    UNSUBACK,
+    SESSION_EXPIRY_INTERVAL,
+    RawClient,
+    parse_ack,
+    parse_publish,
+    parse_suback,
+    prop_u16,
+    prop_u32,
+    puback,
+    pubcomp,
+    pubrec,
+    pubrel,
+    publish_packet,
+    raw_connect,
+    subscribe_packet,
+    unsubscribe_packet,
+)
+
+TOPICS = ["%s/a/x", "%s/a/y", "%s/a/z", "%s/b/x", "%s/b/y", "%s/b/z"]
+FILTERS = ["%s/a/x", "%s/+/x", "%s/a/#", "%s/#", "%s/+/+", "%s/b/z", "%s/+/y", "%s/b/#"]
+
+
+def matches(flt, topic):
+    f = flt.split("/")
+    t = topic.split("/")
+    for i, lv in enumerate(f):
+        if lv == "#":
+            return True
+        if i >= len(t) or (lv != "+" and lv != t[i]):
+            return False
+    return len(f) == len(t)
+
+
+class Subscriber:
+    """A persistent session and the client behind it: its QoS 2 packet ids
+    outlive the connection (the receiver's side of 4.3.3). A 5.0 client
+    asks for a Receive Maximum of `rm`; `window` is what the broker may
+    have unacknowledged on a connection: that, and its max_inflight."""
+
+    def __init__(self, port, cid, version, filters, rng, rm, window):
+        self.port = port
+        self.cid = cid
+        self.version = version
+        self.filters = filters  # {filter: granted qos}
+        self.ever = set(filters)  # every filter it has subscribed to
+        self.unsubs = {}  # filter -> message numbers at which it was unsubscribed
+        self.spid = 0
+        self.replays = []  # (payload, qos, topic) that came with RETAIN 1
+        self.rng = rng
+        self.conn = None
+        self.started = False
+        self.qos2 = set()  # packet ids of QoS 2 PUBLISHes received, PUBREL not yet
+        self.held = []  # acknowledgements not sent yet (lost with the connection)
+        self.got = []  # (payload, qos, dup) as the application saw them, in order
+        self.hold = 0.25  # the share of acknowledgements held back
+        self.rm = rm
+        self.window = window
+        self.out = set()  # packet ids unacknowledged on this connection
+
+    def connect(self):
+        props = b""
+        if self.version == 5:
+            props = prop_u32(SESSION_EXPIRY_INTERVAL, 600) + prop_u16(RECEIVE_MAXIMUM, self.rm)
+        # 3.1.1: Clean Session 0 from the first connect (with 1 the session
+        # would end with that connection, MQTT-3.1.2-6); 5.0: Clean Start on
+        # the first, the Session Expiry Interval keeps it
+        clean = self.version == 5 and not self.started
+        c = raw_connect(self.port, self.cid, version=self.version, clean=clean, props=props)
+        assert c.connack.session_present == self.started, (
+            "%s: session present %s after %s" % (self.cid, c.connack.session_present,
+                                                 "a first connect" if not self.started
+                                                 else "a resume"))
+        self.conn = c
+        self.held = []
+        self.out = set()
+        if not self.started:
+            self.subscribe(sorted(self.filters.items()))
+            self.started = True
+
+    def _request(self, data, ack):
+        """Sends a SUBSCRIBE or UNSUBSCRIBE; what comes before its ack is
+        handled as in drain()."""
+        self.spid = self.spid % 65535 + 1
+        self.conn.send(data(self.spid))
+        while True:
+            p = self.conn.read_packet(5.0)
+            if p is None:
+                raise AssertionError("%s: closed before the ack of a (UN)SUBSCRIBE" % self.cid)
+            if p.ptype == ack:
+                pid, codes, _props = parse_suback(p.body, self.version)
+                assert pid == self.spid, (pid, self.spid)
+                return codes
+            self._handle(p)
+
+    def subscribe(self, items):
+        codes = self._request(lambda pid: subscribe_packet(pid, items, version=self.version),
+                              SUBACK)
+        assert codes == [q for _f, q in items], (items, codes)
+        for f, q in items:
+            self.filters[f] = q
+            self.ever.add(f)
+
+    def unsubscribe(self, flt, n):
+        codes = self._request(lambda pid: unsubscribe_packet(pid, [flt], version=self.version),
+                              UNSUBACK)
+        if self.version == 5:
+            assert codes == [0], codes
+        del self.filters[flt]
+        self.unsubs.setdefault(flt, []).append(n)
+
+    def drop(self):
+        """The connection ends without DISCONNECT; held acks are lost with it."""
+        self.conn.close()
+        self.conn = None
+        self.held = []
+
+    def disconnect(self):
+        self.conn.disconnect()
+        self.conn = None
+        self.held = []
+
+    def _ack(self, data):
+        if self.rng.random() < self.hold:
+            self.held.append(data)
+        else:
+            self._send(data)
+
+    def _send(self, data):
+        if data[0] != 0x50:  # PUBACK, PUBCOMP: acknowledged (PUBREC is not the end)
+            self.out.discard(struct.unpack_from(">H", data, 2)[0])
+        self.conn.send(data)
+
+    def _unacked(self, pid):
+        # MQTT-3.3.4-9 (a 5.0 client's Receive Maximum) and max_inflight
+        self.out.add(pid)
+        if len(self.out) > self.window:
+            raise AssertionError("%s: %d PUBLISH/PUBREL unacknowledged at once, the window is "
+                                 "%d (MQTT-3.3.4-9)" % (self.cid, len(self.out), self.window))
+
+    def release(self):
+        for data in self.held:
+            self._send(data)
+        self.held = []
+
+    def drain(self, quiet):
+        """Reads until nothing comes for `quiet` seconds."""
+        c = self.conn
+        while True:
+            try:
+                p = c.read_packet(quiet)
+            except TimeoutError:
+                return
+            if p is None:
+                raise AssertionError("%s: the broker closed the connection" % self.cid)
+            self._handle(p)
+
+    def _handle(self, p):
+        if p.ptype == PUBLISH:
+            m = parse_publish(p.flags, p.body, self.version)
+            if m.qos:
+                self._unacked(m.pid)
+            new = m.qos != 2 or m.pid not in self.qos2
+            if new:
+                if m.retain:
+                    self.replays.append((m.payload, m.qos, m.topic))
+                else:
+                    self.got.append((m.payload, m.qos, m.dup))
+            if m.qos == 2:
+                self.qos2.add(m.pid)
+                self._ack(pubrec(m.pid, self.version))
+            elif m.qos == 1:
+                self._ack(puback(m.pid, self.version))
+        elif p.ptype == PUBREL:
+            pid = parse_ack(p.body, self.version)[0]
+            self._unacked(pid)  # a PUBREL resent on resume is in the window too
+            self.qos2.discard(pid)
+            self._ack(pubcomp(pid, self.version))
+        elif p.ptype != PINGRESP:
+            raise AssertionError("%s: unexpected packet type %d" % (self.cid, p.ptype))
+
+
+class Publisher:
+    def __init__(self, port, name, version):
+        self.name = name
+        self.version = version
+        self.conn = raw_connect(port, name, version=version)
+        self.pid = 0
+
+    def publish(self, topic, payload, qos, retain):
+        c = self.conn
+        pid = None
+        if qos:
+            self.pid = self.pid % 65535 + 1
+            pid = self.pid
+        c.send(publish_packet(topic, payload, qos=qos, retain=retain, pid=pid,
+                              version=self.version))
+        if qos == 0:
+            c.ping()  # the broker reads a connection in order: routed before PINGRESP
+        elif qos == 1:
+            assert c.expect_ack(PUBACK)[:2] == (pid, 0)
+        else:
+            assert c.expect_ack(PUBREC)[:2] == (pid, 0)
+            c.send(pubrel(pid, self.version))
+            assert c.expect_ack(PUBCOMP)[0] == pid
+
+
+def run_model(port, seed, steps, inflight):
+    """One seeded run; its topics are under m<seed>/ (runs can share a broker)."""
+    rng = random.Random(seed)
+    root = "m%d" % seed
+    topics = [t % root for t in TOPICS]
+    subs = []
+    for i in range(4):
+        flts = [f % root for f in rng.sample(FILTERS, rng.randint(1, 3))]
+        version = rng.choice((4, 5))
+        rm = rng.choice((1, 3, 65535))
+        window = min(rm, inflight) if version == 5 else inflight
+        subs.append(Subscriber(port, "model-%d-s%d" % (seed, i), version,
+                               {f: rng.randint(0, 2) for f in flts}, rng, rm, window))
+    for s in subs:
+        s.connect()
+    pubs = [Publisher(port, "model-%d-p%d" % (seed, i), v) for i, v in enumerate((5, 4))]
+    sent = {}  # payload -> (publisher, topic, qos, {cid: (matching subs, max qos)})
+    retained = {}
+    n = 0
+    for _ in range(steps):
+        r = rng.random()
+        s = rng.choice(subs)
+        if r < 0.55:
+            p = rng.choice(pubs)
+            topic = rng.choice(topics)
+            qos = rng.choice((0, 1, 1, 2))
+            retain = rng.random() < 0.2
+            n += 1
+            payload = b"" if retain and rng.random() < 0.25 else ("%s#%d" % (p.name, n)).encode()
+            p.publish(topic, payload, qos, retain)
+            if retain:
+                if payload:
+                    retained[topic] = payload
+                else:
+                    retained.pop(topic, None)
+            if payload:
+                to = {}
+                for sub in subs:
+                    fs = [f for f in sub.filters if matches(f, topic)]
+                    if fs:
+                        eff = min(qos, max(sub.filters[f] for f in fs))
+                        to[sub.cid] = (len(fs), eff, fs, n)
+                sent[payload] = (p.name, topic, qos, to, retain)
+        elif r < 0.75:
+            if s.conn is None:
+                s.connect()
+            else:
+                s.drain(0.01)
+        elif r < 0.79:
+            if s.conn is not None:
+                s.release()
+        elif r < 0.82:
+            # a subscription added, replaced by the same one, or removed
+            if s.conn is not None:
+                f = rng.choice(FILTERS) % root
+                if f not in s.filters:
+                    s.subscribe([(f, rng.randint(0, 2))])
+                elif rng.random() < 0.5:
+                    s.subscribe([(f, s.filters[f])])
+                else:
+                    s.unsubscribe(f, n)
+        elif r < 0.92:
+            if s.conn is not None:
+                s.drop()
+        elif r < 0.96:
+            if s.conn is not None:
+                s.disconnect()
+        else:
+            # a takeover: the same client id again while the old
+            # connection is still open (MQTT-3.1.4-3); the old one is ended
+            if s.conn is not None:
+                old = s.conn
+                s.conn = None
+                s.held = []
+                s.connect()
+                old.closed(2.0)
+                old.close()
+    # the end: every session resumes and reads until nothing more comes
+    for s in subs:
+        if s.conn is None:
+            s.connect()
+        else:
+            s.release()
+    for s in subs:
+        s.hold = 0  # from here every acknowledgement goes at once
+        s.release()
+        s.drain(0.5)
+    for s in subs:
+        check_session(s, sent)
+        check_replays(s, sent)
+        s.disconnect()
+    for p in pubs:
+        p.conn.disconnect()
+    check_retained(port, seed, root, retained)
+
+
+def check_session(s, sent):
+    first = {}
+    copies = {}
+    for payload, qos, _dup in s.got:
+        if not payload:
+            continue  # a retained delete, routed like any message (MQTT-3.3.1-10)
+        if payload not in sent:
+            raise AssertionError("%s: got %r, never published" % (s.cid, payload))
+        name, topic, pqos, to, _retain = sent[payload]
+        if s.cid not in to:
+            raise AssertionError("%s: got %r on %s, which no subscription matched when it "
+                                 "was acknowledged" % (s.cid, payload, topic))
+        nsubs, eff, _fs, _n = to[s.cid]
+        if qos > eff:
+            raise AssertionError("%s: %r delivered at QoS %d, above %d" % (s.cid, payload, qos, eff))
+        copies.setdefault(payload, []).append(qos)
+        if qos == eff:
+            first.setdefault(payload, len(first))
+    for payload, (name, topic, pqos, to, _retain) in sent.items():
+        if s.cid not in to:
+            continue
+        nsubs, eff, fs, n = to[s.cid]
+        got = copies.get(payload, [])
+        # a filter unsubscribed after the message was acknowledged: the
+        # broker may or may not deliver what it had queued (3.10.4)
+        optional = any(u >= n for f in fs for u in s.unsubs.get(f, ()))
+        if eff >= 1 and eff not in got and not optional:
+            raise AssertionError("%s: %r (QoS %d on %s, acknowledged to %s) never delivered at "
+                                 "QoS %d (got %r)" % (s.cid, payload, pqos, topic, name, eff, got))
+        for q in (0, 2):
+            if got.count(q) > nsubs:
+                raise AssertionError("%s: %r delivered %d times at QoS %d, %d subscriptions "
+                                     "match" % (s.cid, payload, got.count(q), q, nsubs))
+    # ordered topics (4.6): per publisher, topic and QoS, the first
+    # deliveries in publication order (the payload's number); a broker that
+    # sends a copy per matching subscription (MQTT-3.3.4-2 allows it) is
+    # held to it for the copies at the highest QoS
+    last = {}
+    for payload in sorted(first, key=first.get):
+        name, topic, _pqos, to, _retain = sent[payload]
+        eff = to[s.cid][1]
+        if eff == 0:
+            continue
+        k = (name, topic, eff)
+        num = int(payload.split(b"#")[1])
+        if k in last and num < last[k]:
+            raise AssertionError("%s: %r delivered after #%d of the same publisher and topic "
+                                 "(4.6)" % (s.cid, payload, last[k]))
+        last[k] = num
+
+
+def check_replays(s, sent):
+    for payload, qos, topic in s.replays:
+        if payload not in sent or not sent[payload][4]:
+            raise AssertionError("%s: %r came with RETAIN 1, never published retained"
+                                 % (s.cid, payload))
+        if sent[payload][1] != topic:
+            raise AssertionError("%s: %r came on %s, published on %s"
+                                 % (s.cid, payload, topic, sent[payload][1]))
+        if not any(matches(f, topic) for f in s.ever):
+            raise AssertionError("%s: retained %r on %s, which no filter of it matches"
+                                 % (s.cid, payload, topic))
+        if qos > sent[payload][2]:
+            raise AssertionError("%s: retained %r at QoS %d, published at %d"
+                                 % (s.cid, payload, qos, sent[payload][2]))
+
+
+def check_retained(port, seed, root, retained):
+    c = raw_connect(port, "model-%d-r" % seed, version=5)
+    c.subscribe([(root + "/#", 1)])
+    got = {}
+    while True:
+        try:
+            p = c.read_packet(0.5)
+        except TimeoutError:
+            break
+        assert p is not None and p.ptype == PUBLISH, p
+        m = parse_publish(p.flags, p.body, 5)
+        assert m.retain, "a live message on a quiet broker: %r" % (m,)
+        got[m.topic] = m.payload
+        if m.qos:
+            c.send(puback(m.pid, 5))
+    c.disconnect()
+    assert got == retained, "retained set %r, expected %r" % (got, retained)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed,inflight,outbuf", [(1, 16, 16384), (2, 16, 16384), (3, 2, 256),
+                                                  (4, 2, 256)])
+def test_sessions_against_the_model_MQTT_4_3_and_4_6(broker_factory, seed, inflight, outbuf):
+    """Seeds 3 and 4 with 2 in flight and 256 B of output buffer a
+    connection: most deliveries wait in the session's queue."""
+    b = broker_factory(max_queued=10000, max_queued_bytes=1 << 24, max_inflight=inflight,
+                       max_outbuf=outbuf)
+    try:
+        # mosquitto's own max_inflight_messages (20: the fixture's mosquitto
+        # takes no profile)
+        run_model(b.port, seed, 600, 20 if b.is_mosquitto else inflight)
+    except AssertionError as e:
+        if b.is_mosquitto and "times at QoS 2" in str(e):
+            pytest.xfail("mosquitto 2.0.11 resends a QoS 2 PUBLISH whose PUBCOMP it has "
+                         "received, on the next resume (4.3.3): %s" % e)
+        if b.is_mosquitto and "MQTT-3.3.4-9" in str(e):
+            pytest.xfail("mosquitto 2.0.11 exceeds Receive Maximum (MQTT-3.3.4-9): %s" % e)
+        raise
