@@ -20,6 +20,10 @@ at the end:
 - a message that comes with RETAIN 1 comes because a SUBSCRIBE asked for
   the retained messages (MQTT-3.3.1-9: a live one comes with RETAIN 0) and
   was published retained to a topic that filter matches;
+- a shared subscription (two members of `$share/g/<filter>`, 4.8.2): a
+  QoS 1/2 message reaches at least one member, at that member's QoS, a
+  QoS 2 one no more than one member once (MQTT-4.8.2-4, MQTT-4.8.2-5), and
+  no retained message comes at subscribe;
 - the retained set at the end is the last retained publish of each topic,
   an empty payload deleting it (MQTT-3.3.1-6, MQTT-3.3.1-10).
 
@@ -84,7 +88,8 @@ class Subscriber:
     asks for a Receive Maximum of `rm`; `window` is what the broker may
     have unacknowledged on a connection: that, and its max_inflight."""
 
-    def __init__(self, port, cid, version, filters, rng, rm, window):
+    def __init__(self, port, cid, version, filters, rng, rm, window, group=None):
+        self.group = group  # a shared subscription's member: (its $share filter, filter)
         self.port = port
         self.cid = cid
         self.version = version
@@ -264,6 +269,17 @@ def run_model(port, seed, steps, inflight):
         window = min(rm, inflight) if version == 5 else inflight
         subs.append(Subscriber(port, "model-%d-s%d" % (seed, i), version,
                                {f: rng.randint(0, 2) for f in flts}, rng, rm, window))
+    # two members of one shared subscription, QoS 1 or 2 each (a QoS 0
+    # member could take a message and lose it while offline, 4.3.1)
+    sflt = rng.choice(FILTERS) % root
+    share = "$share/g/" + sflt
+    members = []
+    for i in range(2):
+        version = rng.choice((4, 5))
+        q = rng.randint(1, 2)
+        members.append(Subscriber(port, "model-%d-g%d" % (seed, i), version, {share: q}, rng,
+                                  65535, inflight, group=(share, sflt)))
+    subs += members
     for s in subs:
         s.connect()
     pubs = [Publisher(port, "model-%d-p%d" % (seed, i), v) for i, v in enumerate((5, 4))]
@@ -289,6 +305,10 @@ def run_model(port, seed, steps, inflight):
             if payload:
                 to = {}
                 for sub in subs:
+                    if sub.group is not None:
+                        if matches(sub.group[1], topic):
+                            to[sub.cid] = (1, min(qos, sub.filters[sub.group[0]]), [], n)
+                        continue
                     fs = [f for f in sub.filters if matches(f, topic)]
                     if fs:
                         eff = min(qos, max(sub.filters[f] for f in fs))
@@ -304,7 +324,7 @@ def run_model(port, seed, steps, inflight):
                 s.release()
         elif r < 0.82:
             # a subscription added, replaced by the same one, or removed
-            if s.conn is not None:
+            if s.conn is not None and s.group is None:
                 f = rng.choice(FILTERS) % root
                 if f not in s.filters:
                     s.subscribe([(f, rng.randint(0, 2))])
@@ -339,9 +359,11 @@ def run_model(port, seed, steps, inflight):
         s.release()
         s.drain(0.5)
     for s in subs:
-        check_session(s, sent)
+        if s.group is None:
+            check_session(s, sent)
         check_replays(s, sent)
         s.disconnect()
+    check_group(members, sent)
     for p in pubs:
         p.conn.disconnect()
     check_retained(port, seed, root, retained)
@@ -398,7 +420,40 @@ def check_session(s, sent):
         last[k] = num
 
 
+def check_group(members, sent):
+    got = {}
+    for m in members:
+        for payload, qos, _dup in m.got:
+            if not payload:
+                continue
+            if payload not in sent or m.cid not in sent[payload][3]:
+                raise AssertionError("%s: %r, not published to %s when acknowledged"
+                                     % (m.cid, payload, m.group[0]))
+            eff = sent[payload][3][m.cid][1]
+            if qos > eff:
+                raise AssertionError("%s: %r at QoS %d, above %d" % (m.cid, payload, qos, eff))
+            got.setdefault(payload, []).append((m.cid, qos))
+    for payload, (name, topic, pqos, to, _retain) in sent.items():
+        mine = [m for m in members if m.cid in to]
+        if not mine:
+            continue
+        g = got.get(payload, [])
+        if sum(1 for _cid, q in g if q == 0) > 1:
+            raise AssertionError("%s: %r delivered at QoS 0 more than once: %r"
+                                 % (mine[0].group[0], payload, g))
+        if pqos and not any(q == to[cid][1] for cid, q in g):
+            raise AssertionError("%s: %r (QoS %d on %s, acknowledged to %s) reached no member "
+                                 "at its QoS (got %r)" % (mine[0].group[0], payload, pqos, topic,
+                                                          name, g))
+        if sum(1 for _cid, q in g if q == 2) > 1:
+            raise AssertionError("%s: %r delivered at QoS 2 more than once: %r (MQTT-4.8.2-5)"
+                                 % (mine[0].group[0], payload, g))
+
+
 def check_replays(s, sent):
+    if s.group is not None and s.replays:
+        raise AssertionError("%s: retained messages for a shared subscription: %r"
+                             % (s.cid, s.replays))
     for payload, qos, topic in s.replays:
         if payload not in sent or not sent[payload][4]:
             raise AssertionError("%s: %r came with RETAIN 1, never published retained"
