@@ -291,7 +291,15 @@ class Proxy:
                             break
                         if s is b and self.drop_acks:
                             data = self._drop_acks(p, data)
-                        (b if s is a else a).sendall(data)
+                        try:
+                            (b if s is a else a).sendall(data)
+                        except OSError:
+                            # the other side has gone (an upstream stopped
+                            # under traffic): the pair ends, the proxy goes on
+                            a.close()
+                            b.close()
+                            self.pairs.remove(p)
+                            break
                         if s is a:
                             ua += data
                             ua[:] = self._parse(ua, True)
