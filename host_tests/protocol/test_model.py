@@ -35,7 +35,6 @@ mosquitto with EDGEBROKER_TEST_BROKER=mosquitto (the test's own check).
 """
 
 import random
-import socket
 import struct
 import time
 
@@ -283,7 +282,9 @@ def run_model(port, seed, steps, inflight):
     for s in subs:
         s.connect()
     pubs = [Publisher(port, "model-%d-p%d" % (seed, i), v) for i, v in enumerate((5, 4))]
-    sent = {}  # payload -> (publisher, topic, qos, {cid: (matching subs, max qos)})
+    # payload -> (publisher, topic, qos, to, retain); to: {cid: (matching
+    # subscriptions, their highest QoS, the matching filters, the message's number)}
+    sent = {}
     retained = {}
     n = 0
     for _ in range(steps):
