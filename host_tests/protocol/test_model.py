@@ -36,7 +36,6 @@ mosquitto with EDGEBROKER_TEST_BROKER=mosquitto (the test's own check).
 
 import random
 import struct
-import time
 
 import pytest
 from mqtt_helpers import (
@@ -50,7 +49,6 @@ from mqtt_helpers import (
     SUBACK,
     UNSUBACK,
     SESSION_EXPIRY_INTERVAL,
-    RawClient,
     parse_ack,
     parse_publish,
     parse_suback,
