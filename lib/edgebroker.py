@@ -1927,7 +1927,16 @@ class Engine:
             return self.connack_refuse(
                 conn, _RC_QUOTA, _RC3_UNAVAILABLE, "max_clients", "max_clients reached"
             )
-        if _mem_free is not None and _mem_free() < cfg["heap_reserve"]:
+        if (
+            _mem_free is not None
+            and not (old is not None and (takeover or old.queue or old.inflight))
+            and _mem_free() < cfg["heap_reserve"]
+        ):
+            # A CONNECT that gives heap back is let through below the reserve:
+            # a takeover closes the connection it replaces, and a session
+            # holding messages frees them by its drain (resume) or its end
+            # (Clean Start). Refused, such a session would keep that heap until
+            # it expired, and every new client would be refused till then.
             gc.collect()
             if _mem_free() < cfg["heap_reserve"]:
                 return self.connack_refuse(

@@ -527,6 +527,63 @@ def test_connect_max_clients_refused_0x97_and_311_rc3():
     assert eng.connected == 2
 
 
+def test_connect_heap_reserve_refuses_new_sessions_not_ones_that_free_heap():
+    """Below heap_reserve a new client is refused (0x97 / rc 3), but a CONNECT
+    that gives heap back is accepted: the resume of a session holding queued
+    or in-flight messages (its drain frees them; refused, it would keep them
+    until it expired and every new client would be refused till then), a
+    Clean Start on such a session (MQTT-3.1.2-4 discards them) and a takeover
+    (MQTT-3.1.4-3 closes the connection it replaces). The engine reads the
+    free heap through the module's _mem_free, set here to a fake figure."""
+    eng = mk(heap_reserve=10000)
+    free = [50000]
+    saved = eb._mem_free
+    eb._mem_free = lambda: free[0]
+    try:
+        q = Peer(eng, "q", clean=False, props=p_u32(0x11, 600))
+        q.sub("h/#", 1)
+        q.send(h("e0 00"))
+        f = Peer(eng, "f", clean=False, props=p_u32(0x11, 600))
+        f.sub("h/#", 1)
+        e = Peer(eng, "e", clean=False, props=p_u32(0x11, 600))  # nothing held
+        e.send(h("e0 00"))
+        pub = Peer(eng, "pub")
+        for i in range(3):
+            pub.send(publish("h/x", b"m%d" % i, qos=1, pid=i + 1))
+            assert pub.packets() == [(0x40, u16(i + 1))]
+        assert len(f.msgs()) == 3
+        eng.lost(f.c, T0)                       # three in flight, never acknowledged
+        free[0] = 5000
+        # new sessions, and a resume that frees nothing: refused
+        for cid, v, kw in (("new", 5, {}), ("new", 4, {}),
+                           ("e", 5, {"clean": False, "props": p_u32(0x11, 600)})):
+            p = Peer(eng, v=v)
+            p.send(connect(cid, v, **kw))
+            out = p.packets()
+            assert out[0][0] == 0x20 and out[0][1][1] == (0x97 if v == 5 else 3), out
+            assert p.c.closed
+        assert eng.refusals["heap_reserve"] == 3 and "new" not in eng.sessions
+        # the resume of a session with queued messages: accepted, drained
+        q = Peer(eng, "q", clean=False, props=p_u32(0x11, 600))
+        assert q.connack[0] == 1                                 # MQTT-3.2.2-3
+        got = q.msgs()
+        assert [m.payload for m in got] == [b"m0", b"m1", b"m2"]
+        for m in got:
+            q.send(ack(4, m.pid))
+        assert not eng.sessions["q"].queue and not eng.sessions["q"].inflight
+        # a Clean Start on a session with messages in flight: accepted, ended
+        f = Peer(eng, "f", clean=True)
+        assert f.connack[0] == 0 and f.out() == b""              # MQTT-3.2.2-2
+        # a takeover: accepted, the old connection closed (MQTT-3.1.4-3)
+        pub2 = Peer(eng, "pub")
+        assert pub.c.closed and not pub2.c.closed
+        assert eng.refusals["heap_reserve"] == 3
+        free[0] = 50000
+        Peer(eng, "new")                        # heap back: new clients again
+    finally:
+        eb._mem_free = saved
+
+
 def test_connect_session_present_MQTT_3_2_2_2_3():
     eng = mk()
     p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
