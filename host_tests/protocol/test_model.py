@@ -36,9 +36,11 @@ mosquitto with EDGEBROKER_TEST_BROKER=mosquitto (the test's own check).
 
 import random
 import struct
+import time
 
 import pytest
 from mqtt_helpers import (
+    DISCONNECT,
     PINGRESP,
     PUBACK,
     PUBCOMP,
@@ -49,10 +51,13 @@ from mqtt_helpers import (
     SUBACK,
     UNSUBACK,
     SESSION_EXPIRY_INTERVAL,
+    RawClient,
     parse_ack,
+    parse_disconnect,
     parse_publish,
     parse_suback,
     prop_u16,
+    mpy_build,
     prop_u32,
     puback,
     pubcomp,
@@ -60,12 +65,21 @@ from mqtt_helpers import (
     pubrel,
     publish_packet,
     raw_connect,
+    requires_edgebroker,
     subscribe_packet,
     unsubscribe_packet,
 )
 
 TOPICS = ["%s/a/x", "%s/a/y", "%s/a/z", "%s/b/x", "%s/b/y", "%s/b/z"]
 FILTERS = ["%s/a/x", "%s/+/x", "%s/a/#", "%s/#", "%s/+/+", "%s/b/z", "%s/+/y", "%s/b/#"]
+
+
+class Refused(Exception):
+    """A refusal the broker may give under memory pressure (lenient runs)."""
+
+
+class Gone(Exception):
+    """The broker closed the connection."""
 
 
 def matches(flt, topic):
@@ -85,13 +99,15 @@ class Subscriber:
     asks for a Receive Maximum of `rm`; `window` is what the broker may
     have unacknowledged on a connection: that, and its max_inflight."""
 
-    def __init__(self, port, cid, version, filters, rng, rm, window, group=None):
+    def __init__(self, port, cid, version, filters, rng, rm, window, group=None, lenient=False):
+        self.lenient = lenient  # refusals allowed (a broker short of heap)
         self.group = group  # a shared subscription's member: (its $share filter, filter)
         self.port = port
         self.cid = cid
         self.version = version
-        self.filters = filters  # {filter: granted qos}
-        self.ever = set(filters)  # every filter it has subscribed to
+        self.want = dict(filters)  # its first SUBSCRIBE
+        self.filters = {}  # {filter: granted qos}
+        self.ever = set()  # every filter it has subscribed to
         self.unsubs = {}  # filter -> message numbers at which it was unsubscribed
         self.spid = 0
         self.replays = []  # (payload, qos, topic) that came with RETAIN 1
@@ -114,7 +130,22 @@ class Subscriber:
         # would end with that connection, MQTT-3.1.2-6); 5.0: Clean Start on
         # the first, the Session Expiry Interval keeps it
         clean = self.version == 5 and not self.started
-        c = raw_connect(self.port, self.cid, version=self.version, clean=clean, props=props)
+        c = None
+        try:
+            # (a broker short of heap may not even accept: a TimeoutError)
+            c = RawClient(self.port, version=self.version)
+            c.connack = c.connect(self.cid, clean=clean, props=props)
+        except (OSError, EOFError, AssertionError):
+            if c is not None:
+                c.close()
+            if self.lenient:
+                raise Refused("%s: no CONNACK" % self.cid)
+            raise
+        if c.connack.reason:
+            c.close()
+            if self.lenient:
+                raise Refused("%s: CONNACK %#x" % (self.cid, c.connack.reason))
+            raise AssertionError("%s: CONNACK refused: %#x" % (self.cid, c.connack.reason))
         assert c.connack.session_present == self.started, (
             "%s: session present %s after %s" % (self.cid, c.connack.session_present,
                                                  "a first connect" if not self.started
@@ -123,8 +154,8 @@ class Subscriber:
         self.held = []
         self.out = set()
         if not self.started:
-            self.subscribe(sorted(self.filters.items()))
             self.started = True
+            self.subscribe(sorted(self.want.items()))
 
     def _request(self, data, ack):
         """Sends a SUBSCRIBE or UNSUBSCRIBE; what comes before its ack is
@@ -134,6 +165,8 @@ class Subscriber:
         while True:
             p = self.conn.read_packet(5.0)
             if p is None:
+                if self.lenient:
+                    raise Gone(self.cid)
                 raise AssertionError("%s: closed before the ack of a (UN)SUBSCRIBE" % self.cid)
             if p.ptype == ack:
                 pid, codes, _props = parse_suback(p.body, self.version)
@@ -144,15 +177,19 @@ class Subscriber:
     def subscribe(self, items):
         codes = self._request(lambda pid: subscribe_packet(pid, items, version=self.version),
                               SUBACK)
-        assert codes == [q for _f, q in items], (items, codes)
-        for f, q in items:
-            self.filters[f] = q
-            self.ever.add(f)
+        if not self.lenient:
+            assert codes == [q for _f, q in items], (items, codes)
+        for (f, q), code in zip(items, codes):
+            if code == q:
+                self.filters[f] = q
+                self.ever.add(f)
+            elif code < 0x80 or not self.lenient:
+                raise AssertionError("%s: %s granted %#x, asked %d" % (self.cid, f, code, q))
 
     def unsubscribe(self, flt, n):
         codes = self._request(lambda pid: unsubscribe_packet(pid, [flt], version=self.version),
                               UNSUBACK)
-        if self.version == 5:
+        if self.version == 5 and not self.lenient:
             assert codes == [0], codes
         del self.filters[flt]
         self.unsubs.setdefault(flt, []).append(n)
@@ -200,8 +237,17 @@ class Subscriber:
             except TimeoutError:
                 return
             if p is None:
+                if self.lenient:
+                    raise Gone(self.cid)
                 raise AssertionError("%s: the broker closed the connection" % self.cid)
             self._handle(p)
+
+    def lost(self):
+        """The broker ended the connection (lenient runs): as a drop."""
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+        self.held = []
 
     def _handle(self, p):
         if p.ptype == PUBLISH:
@@ -224,37 +270,75 @@ class Subscriber:
             self._unacked(pid)  # a PUBREL resent on resume is in the window too
             self.qos2.discard(pid)
             self._ack(pubcomp(pid, self.version))
+        elif p.ptype == DISCONNECT and self.lenient:
+            # a broker may end a connection with a reason (5.0, 4.13.2)
+            raise Gone("%s: DISCONNECT %#x" % (self.cid, parse_disconnect(p.body, 5)[0]))
         elif p.ptype != PINGRESP:
             raise AssertionError("%s: unexpected packet type %d" % (self.cid, p.ptype))
 
 
 class Publisher:
-    def __init__(self, port, name, version):
+    def __init__(self, port, name, version, lenient=False):
+        self.port = port
         self.name = name
         self.version = version
-        self.conn = raw_connect(port, name, version=version)
+        self.lenient = lenient
+        self.conn = None
         self.pid = 0
 
     def publish(self, topic, payload, qos, retain):
+        """True: acknowledged (reason 0; QoS 0: routed before PINGRESP);
+        False: not published (refused); None: the connection ended before
+        the answer (lenient runs: the message may or may not go on)."""
+        if self.conn is None:
+            c = None
+            try:
+                c = RawClient(self.port, version=self.version)
+                ack = c.connect(self.name)
+            except (OSError, EOFError, AssertionError):
+                ack = None
+            if ack is None or ack.reason:
+                if c is not None:
+                    c.close()
+                if not self.lenient:
+                    raise AssertionError("%s: CONNACK %r" % (self.name, ack))
+                return False
+            self.conn = c
         c = self.conn
         pid = None
         if qos:
             self.pid = self.pid % 65535 + 1
             pid = self.pid
-        c.send(publish_packet(topic, payload, qos=qos, retain=retain, pid=pid,
-                              version=self.version))
-        if qos == 0:
-            c.ping()  # the broker reads a connection in order: routed before PINGRESP
-        elif qos == 1:
-            assert c.expect_ack(PUBACK)[:2] == (pid, 0)
-        else:
-            assert c.expect_ack(PUBREC)[:2] == (pid, 0)
-            c.send(pubrel(pid, self.version))
-            assert c.expect_ack(PUBCOMP)[0] == pid
+        try:
+            c.send(publish_packet(topic, payload, qos=qos, retain=retain, pid=pid,
+                                  version=self.version))
+            if qos == 0:
+                c.ping()  # the broker reads a connection in order: routed before PINGRESP
+                return True
+            if qos == 1:
+                rpid, reason, _ = c.expect_ack(PUBACK)
+            else:
+                rpid, reason, _ = c.expect_ack(PUBREC)
+                if reason < 0x80:
+                    c.send(pubrel(pid, self.version))
+                    assert c.expect_ack(PUBCOMP)[0] == pid
+        except (OSError, EOFError, AssertionError):
+            if not self.lenient:
+                raise
+            c.close()
+            self.conn = None
+            return None
+        assert rpid == pid, (rpid, pid)
+        if reason and not (self.lenient and reason >= 0x80):
+            raise AssertionError("%s: reason %#x" % (self.name, reason))
+        return reason == 0
 
 
-def run_model(port, seed, steps, inflight):
-    """One seeded run; its topics are under m<seed>/ (runs can share a broker)."""
+def run_model(port, seed, steps, inflight, lenient=False):
+    """One seeded run; its topics are under m<seed>/ (runs can share a broker).
+    lenient: the broker is short of heap, so connections, subscriptions and
+    messages may be refused and connections closed; what it acknowledged
+    is held to every check all the same."""
     rng = random.Random(seed)
     root = "m%d" % seed
     topics = [t % root for t in TOPICS]
@@ -265,7 +349,8 @@ def run_model(port, seed, steps, inflight):
         rm = rng.choice((1, 3, 65535))
         window = min(rm, inflight) if version == 5 else inflight
         subs.append(Subscriber(port, "model-%d-s%d" % (seed, i), version,
-                               {f: rng.randint(0, 2) for f in flts}, rng, rm, window))
+                               {f: rng.randint(0, 2) for f in flts}, rng, rm, window,
+                               lenient=lenient))
     # two members of one shared subscription, QoS 1 or 2 each (a QoS 0
     # member could take a message and lose it while offline, 4.3.1)
     sflt = rng.choice(FILTERS) % root
@@ -275,14 +360,24 @@ def run_model(port, seed, steps, inflight):
         version = rng.choice((4, 5))
         q = rng.randint(1, 2)
         members.append(Subscriber(port, "model-%d-g%d" % (seed, i), version, {share: q}, rng,
-                                  65535, inflight, group=(share, sflt)))
+                                  65535, inflight, group=(share, sflt), lenient=lenient))
     subs += members
+
+    def act(s, what, *args):
+        # a step of subscriber s; a refusal or a closed connection is only
+        # allowed in lenient runs, where it counts as a drop
+        try:
+            what(*args)
+        except (Refused, Gone, OSError, EOFError):
+            if not lenient:
+                raise
+            s.lost()
+
     for s in subs:
-        s.connect()
-    pubs = [Publisher(port, "model-%d-p%d" % (seed, i), v) for i, v in enumerate((5, 4))]
-    # payload -> (publisher, topic, qos, to, retain); to: {cid: (matching
-    # subscriptions, their highest QoS, the matching filters, the message's number)}
-    sent = {}
+        act(s, s.connect)
+    pubs = [Publisher(port, "model-%d-p%d" % (seed, i), v, lenient)
+            for i, v in enumerate((5, 4))]
+    sent = {}  # payload -> (publisher, topic, qos, {cid: (matching subs, max qos)})
     retained = {}
     n = 0
     for _ in range(steps):
@@ -295,42 +390,45 @@ def run_model(port, seed, steps, inflight):
             retain = rng.random() < 0.2
             n += 1
             payload = b"" if retain and rng.random() < 0.25 else ("%s#%d" % (p.name, n)).encode()
-            p.publish(topic, payload, qos, retain)
+            must = p.publish(topic, payload, qos, retain)
+            if must is False:
+                continue  # refused: not published
             if retain:
-                if payload:
-                    retained[topic] = payload
-                else:
-                    retained.pop(topic, None)
+                # the values the topic may hold at the end (None: none);
+                # lenient: a store short of heap keeps none (rules L2, L4)
+                was = retained.get(topic, {None})
+                now = {payload or None}
+                retained[topic] = (now | {None} if lenient else now) if must else was | now
             if payload:
                 to = {}
                 for sub in subs:
                     if sub.group is not None:
-                        if matches(sub.group[1], topic):
+                        if sub.group[0] in sub.filters and matches(sub.group[1], topic):
                             to[sub.cid] = (1, min(qos, sub.filters[sub.group[0]]), [], n)
                         continue
                     fs = [f for f in sub.filters if matches(f, topic)]
                     if fs:
                         eff = min(qos, max(sub.filters[f] for f in fs))
                         to[sub.cid] = (len(fs), eff, fs, n)
-                sent[payload] = (p.name, topic, qos, to, retain)
+                sent[payload] = (p.name, topic, qos, to, retain, must)
         elif r < 0.75:
             if s.conn is None:
-                s.connect()
+                act(s, s.connect)
             else:
-                s.drain(0.01)
+                act(s, s.drain, 0.01)
         elif r < 0.79:
             if s.conn is not None:
-                s.release()
+                act(s, s.release)
         elif r < 0.82:
             # a subscription added, replaced by the same one, or removed
             if s.conn is not None and s.group is None:
                 f = rng.choice(FILTERS) % root
                 if f not in s.filters:
-                    s.subscribe([(f, rng.randint(0, 2))])
+                    act(s, s.subscribe, [(f, rng.randint(0, 2))])
                 elif rng.random() < 0.5:
-                    s.subscribe([(f, s.filters[f])])
+                    act(s, s.subscribe, [(f, s.filters[f])])
                 else:
-                    s.unsubscribe(f, n)
+                    act(s, s.unsubscribe, f, n)
         elif r < 0.92:
             if s.conn is not None:
                 s.drop()
@@ -344,28 +442,46 @@ def run_model(port, seed, steps, inflight):
                 old = s.conn
                 s.conn = None
                 s.held = []
-                s.connect()
+                act(s, s.connect)
                 old.closed(2.0)
                 old.close()
     # the end: every session resumes and reads until nothing more comes
-    for s in subs:
-        if s.conn is None:
-            s.connect()
-        else:
-            s.release()
+    # (lenient: a refused or closed connection is tried again for a while)
+    for p in pubs:  # (their connections would count against max_clients)
+        if p.conn is not None:
+            p.conn.disconnect()
     for s in subs:
         s.hold = 0  # from here every acknowledgement goes at once
-        s.release()
-        s.drain(0.5)
+    done = []
+    for _ in range(40 if lenient else 1):
+        for s in subs:
+            if s in done:
+                continue
+            if s.conn is None:
+                act(s, s.connect)
+            if s.conn is not None:
+                act(s, s.release)
+                act(s, s.drain, 0.5)
+            if s.conn is not None:
+                done.append(s)
+                if lenient:
+                    s.disconnect()  # (its slot, for a broker with fewer than all)
+        if len(done) == len(subs):
+            break
+        time.sleep(0.5)
+    for s in subs:
+        if s not in done and s.started:
+            raise AssertionError("%s: could not resume its session" % s.cid)
+    subs = [s for s in subs if s.started]  # (lenient: one never accepted has no session)
+    members = [m for m in members if m.started]
     for s in subs:
         if s.group is None:
             check_session(s, sent)
         check_replays(s, sent)
-        s.disconnect()
+        if s.conn is not None:
+            s.disconnect()
     check_group(members, sent)
-    for p in pubs:
-        p.conn.disconnect()
-    check_retained(port, seed, root, retained)
+    check_retained(port, seed, root, retained, lenient)
 
 
 def check_session(s, sent):
@@ -376,7 +492,7 @@ def check_session(s, sent):
             continue  # a retained delete, routed like any message (MQTT-3.3.1-10)
         if payload not in sent:
             raise AssertionError("%s: got %r, never published" % (s.cid, payload))
-        name, topic, pqos, to, _retain = sent[payload]
+        name, topic, pqos, to, _retain, _must = sent[payload]
         if s.cid not in to:
             raise AssertionError("%s: got %r on %s, which no subscription matched when it "
                                  "was acknowledged" % (s.cid, payload, topic))
@@ -386,14 +502,14 @@ def check_session(s, sent):
         copies.setdefault(payload, []).append(qos)
         if qos == eff:
             first.setdefault(payload, len(first))
-    for payload, (name, topic, pqos, to, _retain) in sent.items():
+    for payload, (name, topic, pqos, to, _retain, must) in sent.items():
         if s.cid not in to:
             continue
         nsubs, eff, fs, n = to[s.cid]
         got = copies.get(payload, [])
         # a filter unsubscribed after the message was acknowledged: the
         # broker may or may not deliver what it had queued (3.10.4)
-        optional = any(u >= n for f in fs for u in s.unsubs.get(f, ()))
+        optional = not must or any(u >= n for f in fs for u in s.unsubs.get(f, ()))
         if eff >= 1 and eff not in got and not optional:
             raise AssertionError("%s: %r (QoS %d on %s, acknowledged to %s) never delivered at "
                                  "QoS %d (got %r)" % (s.cid, payload, pqos, topic, name, eff, got))
@@ -407,7 +523,7 @@ def check_session(s, sent):
     # held to it for the copies at the highest QoS
     last = {}
     for payload in sorted(first, key=first.get):
-        name, topic, _pqos, to, _retain = sent[payload]
+        name, topic, _pqos, to, _retain, _must = sent[payload]
         eff = to[s.cid][1]
         if eff == 0:
             continue
@@ -432,7 +548,7 @@ def check_group(members, sent):
             if qos > eff:
                 raise AssertionError("%s: %r at QoS %d, above %d" % (m.cid, payload, qos, eff))
             got.setdefault(payload, []).append((m.cid, qos))
-    for payload, (name, topic, pqos, to, _retain) in sent.items():
+    for payload, (name, topic, pqos, to, _retain, must) in sent.items():
         mine = [m for m in members if m.cid in to]
         if not mine:
             continue
@@ -440,7 +556,7 @@ def check_group(members, sent):
         if sum(1 for _cid, q in g if q == 0) > 1:
             raise AssertionError("%s: %r delivered at QoS 0 more than once: %r"
                                  % (mine[0].group[0], payload, g))
-        if pqos and not any(q == to[cid][1] for cid, q in g):
+        if must and pqos and not any(q == to[cid][1] for cid, q in g):
             raise AssertionError("%s: %r (QoS %d on %s, acknowledged to %s) reached no member "
                                  "at its QoS (got %r)" % (mine[0].group[0], payload, pqos, topic,
                                                           name, g))
@@ -468,8 +584,17 @@ def check_replays(s, sent):
                                  % (s.cid, payload, qos, sent[payload][2]))
 
 
-def check_retained(port, seed, root, retained):
-    c = raw_connect(port, "model-%d-r" % seed, version=5)
+def check_retained(port, seed, root, retained, lenient):
+    for _ in range(40 if lenient else 1):  # (lenient: a refusal is tried again)
+        try:
+            c = raw_connect(port, "model-%d-r" % seed, version=5)
+            break
+        except (OSError, EOFError, AssertionError):
+            if not lenient:
+                raise
+            time.sleep(0.5)
+    else:
+        raise AssertionError("model-%d-r: never accepted to read the retained set" % seed)
     c.subscribe([(root + "/#", 1)])
     got = {}
     while True:
@@ -484,7 +609,10 @@ def check_retained(port, seed, root, retained):
         if m.qos:
             c.send(puback(m.pid, 5))
     c.disconnect()
-    assert got == retained, "retained set %r, expected %r" % (got, retained)
+    for topic in set(got) | set(retained):
+        if got.get(topic) not in retained.get(topic, {None}):
+            raise AssertionError("retained %s: %r, expected one of %r (MQTT-3.3.1-6)"
+                                 % (topic, got.get(topic), retained.get(topic, {None})))
 
 
 @pytest.mark.timeout(120)
@@ -506,3 +634,29 @@ def test_sessions_against_the_model_MQTT_4_3_and_4_6(broker_factory, seed, infli
         if b.is_mosquitto and "MQTT-3.3.4-9" in str(e):
             pytest.xfail("mosquitto 2.0.11 exceeds Receive Maximum (MQTT-3.3.4-9): %s" % e)
         raise
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [21, 22])
+def test_sessions_at_the_limits_against_the_model(broker_factory, interp, tmp_path, seed):
+    """The same schedules against a broker that refuses: under MicroPython
+    the board build (.mpy) in a 140 KB heap with the host profile's
+    per-client limits, so that queued messages take the free heap below
+    heap_reserve (new clients refused with 0x97, QoS 1/2 PUBLISHes refused
+    with 0x97 or, 3.1.1, by closing, connections that hit a MemoryError
+    closed; every run so far was refused both ways); under CPython, which has no heap figure, 5 clients
+    for the 8 the schedule runs and 2 subscriptions a client (CONNACK and
+    SUBACK 0x97). A refused CONNECT, SUBSCRIBE or PUBLISH counts as not
+    done and a closed connection as a drop; a message whose
+    acknowledgement never came may or may not arrive; everything
+    acknowledged is held to every check above, and each session that was
+    accepted once must resume at the end."""
+    requires_edgebroker(interp)
+    if interp == "micropython":
+        b = broker_factory(heap="140k", script=mpy_build(tmp_path / "mpy"), sys_interval=0,
+                           max_queued=10000, max_queued_bytes=1 << 24, max_inflight=16)
+    else:
+        b = broker_factory(sys_interval=0, max_clients=5, max_subscriptions=2,
+                           max_queued=10000, max_queued_bytes=1 << 24, max_inflight=16)
+    run_model(b.port, seed, 300, 16, lenient=True)
+    assert b.alive()
