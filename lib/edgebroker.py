@@ -2257,13 +2257,13 @@ class Engine:
                     gc.collect()
                     low = _mem_free() < r
                 self._low = low
-        if qos and self._low:
-            self.refuse("publish_heap", "free heap below heap_reserve")
-            if conn.ver == 5:
-                self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, 3)) + u16(pid) + b"\x97")
-            else:
-                self.close(conn, True)
-            return
+            if self._low:
+                self.refuse("publish_heap", "free heap below heap_reserve")
+                if conn.ver == 5:
+                    self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, 3)) + u16(pid) + b"\x97")
+                else:
+                    self.close(conn, True)
+                return
         if qos == 2:
             if len(in2) >= self.max_inflight:
                 raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9

