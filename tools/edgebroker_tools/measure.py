@@ -206,6 +206,31 @@ class MeasureError(Exception):
     """The measurement could not be made (reported as one line)."""
 
 
+@dataclass(frozen=True)
+class QstrInfo:
+    """`micropython.qstr_info()`'s figures at one point: the names interned
+    at run time, their characters, and the heap their pools and character
+    chunks take."""
+
+    names: int
+    chars: int
+    total: int
+
+    @classmethod
+    def parse(cls, line: str) -> QstrInfo:
+        f = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].replace(" ", "").split(","))
+        return cls(int(f["n_qstr"]), int(f["n_str_data_bytes"]), int(f["n_total_bytes"]))
+
+    def names_cost(self, before: QstrInfo, pointer: int) -> int:
+        """The heap the names interned since `before` take themselves: their
+        characters (with the terminating zero) and one pool entry each
+        (pointer, 2-byte hash, 1-byte length). Not the pools: those grow by
+        doubling, and where a growth falls (which figure's run) depends on
+        every name interned before, not on the one that tipped it."""
+        n = self.names - before.names
+        return self.chars - before.chars + n * (pointer + 3)
+
+
 @dataclass
 class Harness:
     """One measuring broker process and its stdout points."""
@@ -214,9 +239,9 @@ class Harness:
     port: int
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
     points: dict[str, int] = field(default_factory=dict)
-    #: bytes of the interpreter's qstr pools (interned names) at each point
-    qstr: dict[str, int] = field(default_factory=dict)
-    qstr_last: int = 0
+    #: the interpreter's qstr pools (interned names) at each point
+    qstr: dict[str, QstrInfo] = field(default_factory=dict)
+    qstr_last: QstrInfo = field(default_factory=lambda: QstrInfo(0, 0, 0))
 
     def start_reader(self) -> None:
         def read() -> None:
@@ -239,7 +264,7 @@ class Harness:
                 err = self.proc.stderr.read() if self.proc.stderr else ""
                 raise MeasureError(f"harness exited ({self.proc.returncode}): {err.strip()}")
             if line.startswith("qstr pool:"):
-                self.qstr_last = int(line.rsplit("n_total_bytes=", 1)[-1])
+                self.qstr_last = QstrInfo.parse(line)
             if line.startswith("point "):
                 _, label, alloc, _free = line.split()
                 self.points[label] = int(alloc)
@@ -433,7 +458,7 @@ def measure_serving(mpy_dir: Path, quick: bool) -> dict[str, Any]:
     return out
 
 
-def measure_retained(mpy_dir: Path, store: str, capacity: int) -> tuple[int, int]:
+def measure_retained(mpy_dir: Path, store: str, capacity: int) -> tuple[int, QstrInfo]:
     """Heap of a broker holding `capacity` retained messages in a store of that
     capacity, and the bytes of its qstr pools then."""
     with harness(mpy_dir, store=store, profile={"max_retained_messages": capacity}) as h:
@@ -446,7 +471,7 @@ def measure_retained(mpy_dir: Path, store: str, capacity: int) -> tuple[int, int
         full = ctl.point("full", settle=0.2)
         pub.disconnect()
         ctl.client.disconnect()
-        return full, h.qstr.get("full", 0)
+        return full, h.qstr.get("full", QstrInfo(0, 0, 0))
 
 
 def import_costs(directory: Path, names: Sequence[str], heap: str = "8m") -> dict[str, int]:
@@ -649,6 +674,7 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
         )
 
         retained: dict[str, dict[str, int]] = {}
+        pointer = interpreter_facts()[1]
         c1, c2 = (128, 384) if quick else (256, 1024)
         modes = ["ram", "disc", "disc_only"] if have_store else ["ram"]
         for mode in modes:
@@ -662,15 +688,18 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
             b, _ = measure_retained(mpy_dir, mode, hi)
             per = round((b - a) / (hi - c1)) if mode == "disc_only" else slope(a, b, hi - c1)
             base, qbase = _baseline(mpy_dir, mode)
-            entry = {"per_message": per, "fixed": max(a - c1 * per - base, 0)}
-            if qa - qbase > QSTR_POOL_NOTE:
-                # names the store's open interns (edgeopen's, kept for good)
-                # made the interpreter grow its qstr pools here: where that
-                # falls depends on every name interned before
-                # (docs/boards.md, "a qstr pool can move 7 KB")
+            # The store's open interns names (edgeopen's, kept for good): it
+            # is charged those names, not the pool growth they may tip
+            # (docs/boards.md, "a qstr pool can move 7 KB")
+            pools = qa.total - qbase.total
+            name_bytes = qa.names_cost(qbase, pointer)
+            fixed = max(a - c1 * per - base - pools + name_bytes, 0)
+            entry = {"per_message": per, "fixed": fixed}
+            if pools > QSTR_POOL_NOTE:
                 say(
-                    f"note: the qstr pools grew by {qa - qbase} B while the {mode} store "
-                    f"opened: its fixed figure ({entry['fixed']} B) carries that growth"
+                    f"note: the qstr pools grew by {pools} B while the {mode} store opened; "
+                    f"its fixed figure ({fixed} B) counts its {qa.names - qbase.names} "
+                    f"names ({name_bytes} B), not the pools"
                 )
             if mode != "disc_only":
                 entry["overhead"] = per - PAYLOAD - 2 * len(RETAINED_TOPIC.format(0))
@@ -743,7 +772,7 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
     }
 
 
-def _baseline(mpy_dir: Path, mode: str) -> tuple[int, int]:
+def _baseline(mpy_dir: Path, mode: str) -> tuple[int, QstrInfo]:
     """The heap of an idle measuring broker with the same imports but the RAM store
     (empty), plus the control and publisher connections: subtracted so that
     `fixed` is the store's own (index, buffers, file)."""
@@ -753,7 +782,7 @@ def _baseline(mpy_dir: Path, mode: str) -> tuple[int, int]:
         base = ctl.point("base")
         pub.disconnect()
         ctl.client.disconnect()
-        return base, h.qstr.get("base", 0)
+        return base, h.qstr.get("base", QstrInfo(0, 0, 0))
 
 
 def build_parser() -> argparse.ArgumentParser:
