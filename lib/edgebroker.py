@@ -1404,6 +1404,9 @@ class Conn:
         self.io = io
         self.peer = peer  # "address:port", for logs and $SYS
         self.last = now  # broker seconds of the last packet received (also: opened)
+        # its slot made now: Engine.close() then needs no heap to set it (a
+        # connection is often closed because the heap ran out)
+        self.closed = False
 
     def out_len(self):
         o = self.out
@@ -2001,6 +2004,7 @@ class Engine:
         sess.expiry = sexp
         sess.acl = acl
         sess.conn = conn
+        sess.gone = self.now_s  # its slot made now: close() then sets it without heap
         conn.sess = sess
         conn.cid = cid
         self.pre -= 1
@@ -2135,14 +2139,19 @@ class Engine:
     def end_session(self, sess):
         """The session ends (4.1): subscriptions and queues go; a will still
         waiting for its delay is published now (3.1.2.5)."""
-        for f in sess.subs:
-            self.unsub(sess, f)
-        sess.subs = ()
+        # only what the session holds is reset: setting a default it never
+        # changed would grow its attribute table (heap is often short here)
+        if sess.subs:
+            for f in sess.subs:
+                self.unsub(sess, f)
+            sess.subs = ()
         self.unmark(sess)
-        self.qtotal -= len(sess.queue)
-        sess.queue = ()
-        sess.qbytes = 0
-        sess.inflight = ()
+        if sess.queue:
+            self.qtotal -= len(sess.queue)
+            sess.queue = ()
+            sess.qbytes = 0
+        if sess.inflight:
+            sess.inflight = ()
         self.drop_rq(sess)
         if self.sessions.get(sess.cid) is sess:
             del self.sessions[sess.cid]
@@ -2949,29 +2958,42 @@ class Engine:
         self.close(conn, rc == _RC_DISCONNECT_WITH_WILL)
 
     # -------------------------------------------------------------- close
-    # -------------------------------------------------------------- close
     def close(self, conn, will):
         """Ends a connection: the session part here, the socket by the
         server (the connection goes to `ended`; what is left in conn.out is
         sent first, best effort: a final CONNACK or DISCONNECT)."""
         if conn.closed:
             return
+        # Heap may be short here (a MemoryError is a common reason to close).
+        # So first the steps that need none (they set only attributes that
+        # exist: closed since Conn(), gone since CONNECT): the connection is
+        # closed and its session offline. Then the server is told (`ended`;
+        # if even that fails, the reader task (async) or the socket's next
+        # event (poll) releases it). Then what may allocate: ending the
+        # session or bounding the offline ones (else the expiry sweep and
+        # the next close do it), and the will.
         conn.closed = True
-        self.ended.append(conn)
         if self.conns.pop(conn, 0) is None and conn.sess is None:
             self.pre -= 1
-        conn.pend = None
+        if conn.pend is not None:
+            conn.pend = None
         sess = conn.sess
-        if sess is None or sess.conn is not conn:
+        w = None
+        if sess is not None and sess.conn is conn:
+            self.connected -= 1
+            sess.conn = None
+            self.unmark(sess)  # offline: the queue's drop-oldest bound applies
+            # a persistent session keeps its pending retained deliveries: they
+            # go on when it reconnects (D1, D9); end_session() drops them
+            sess.gone = self.now_s
+            w = conn.will
+            if w is not None:
+                conn.will = None
+        else:
+            sess = None
+        self.ended.append(conn)
+        if sess is None:
             return
-        self.connected -= 1
-        sess.conn = None
-        self.unmark(sess)  # offline: the queue's drop-oldest bound applies
-        # a persistent session keeps its pending retained deliveries: they
-        # go on when it reconnects (D1, D9); end_session() drops them
-        sess.gone = self.now_s
-        w = conn.will
-        conn.will = None
         if sess.expiry == 0:
             self.end_session(sess)
         else:
@@ -3430,6 +3452,7 @@ class Broker:
         self.socks = {}  # poll server: socket key -> Conn
         self.rmv = None  # the shared receive buffer, through a memoryview
         self.running = False
+        self.failed = False  # the server stopped on a MemoryError it could not absorb
         self.host = None
         self.port = 0
         self._async = False
@@ -3555,8 +3578,7 @@ class Broker:
                     self._pause = self.clock() + 0.5
                 return
             except MemoryError:
-                gc.collect()
-                eng.refuse("memory", "MemoryError in accept")
+                self._short("MemoryError in accept")
                 return
             conn = None
             try:
@@ -3573,7 +3595,8 @@ class Broker:
                     # client, a bad certificate) reads as a closed socket
                     s = self.tls.wrap_socket(s, server_side=True, do_handshake_on_connect=False)
                 conn = eng.open(s, self.clock(), _peer(a))
-                conn.tls = self.tls is not None
+                if self.tls is not None:
+                    conn.tls = True  # (only then: an attribute set costs a slot)
                 self._watch(conn)
             except (OSError, ValueError) as e:
                 # a TLS wrap that failed: this client only
@@ -3592,8 +3615,7 @@ class Broker:
                         s.close()
                     except OSError:
                         pass
-                gc.collect()
-                eng.refuse("memory", "MemoryError for a new connection")
+                self._short("MemoryError for a new connection")
             self._release_ended()
 
     def _read(self, conn):
@@ -3630,8 +3652,9 @@ class Broker:
 
     def _io_out(self):
         """After the engine worked: flush the connections with bytes to
-        send, release the ones it ended."""
+        send, release the ones it ended. True if the heap ran out."""
         eng = self.engine
+        short = False
         if eng.unheld:
             self._resume()
         if eng.dirty:
@@ -3639,36 +3662,52 @@ class Broker:
             eng.dirty = []
             for conn in dirty:
                 if not conn.closed and conn.out and not conn.wait:
-                    self._flush(conn)
+                    try:
+                        self._flush(conn)
+                    except MemoryError:
+                        # e.g. no heap for its writer task: tried again at
+                        # the next turn, or if even that cannot be noted,
+                        # closed (its session keeps what is unacknowledged)
+                        short = True
+                        try:
+                            eng.dirty.append(conn)
+                        except MemoryError:
+                            eng.close(conn, True)
         self._release_ended()
+        return short
 
     def _release_ended(self):
-        eng = self.engine
-        while eng.ended:
-            ended = eng.ended
-            eng.ended = []
-            for conn in ended:
-                self._forget(conn)
+        # The list is kept (its room too: appending to it in Engine.close()
+        # seldom needs heap), and a connection leaves it only once released:
+        # one whose release ran out of heap is released at a later turn.
+        ended = self.engine.ended
+        while ended:
+            self._forget(ended[-1])
+            ended.pop()
 
     def _close_io(self, conn):
         # best effort for a final CONNACK or DISCONNECT, then the socket
+        # (io is cleared only once the socket is closed or lingers: a
+        # MemoryError half way leaves it to be released again)
         s = conn.io
         if s is None:
             return
-        conn.io = None
         out = conn.out
-        conn.out = None
+        if out is not None:
+            conn.out = None
         if out:
             try:
                 n = _send(s, out)
             except OSError:
                 n = -1
             if n == len(out) and self._linger(s, conn.linger):
+                conn.io = None
                 return
         try:
             s.close()
         except OSError:
             pass
+        conn.io = None
 
     def _linger(self, s, always):
         # Graceful close: the final CONNACK or DISCONNECT has left. Closing a
@@ -3768,15 +3807,34 @@ class Broker:
             self._undrain(ent)  # (never in the loop's poller: nothing to forget)
 
     def _turn(self):
+        # True if the heap ran out: the async server then waits for I/O or
+        # the tick instead of turning again at once (a loop that fails the
+        # same way each turn would spin).
+        short = False
         try:
             self.engine.turn(self.clock())
         except MemoryError:
-            gc.collect()
-            self.engine.refuse("memory", "MemoryError between packets")
+            short = self._short("MemoryError between packets")
         except Exception as err:  # a bug must not stop the broker
             self.engine.log("error", "internal error: %r", err)
             _print_exc(err)
-        self._io_out()
+        try:
+            if self._io_out():
+                short = self._short("MemoryError sending")
+        except MemoryError:
+            short = self._short("MemoryError releasing a connection")
+        return short
+
+    def _short(self, what, who=None):
+        gc.collect()
+        try:
+            if who is None:
+                self.engine.refuse("memory", what)
+            else:
+                self.engine.refuse("memory", what, who)
+        except MemoryError:
+            pass  # counted or not, the loop goes on
+        return True
 
     def _watch(self, conn):
         if self._async:
@@ -3842,7 +3900,8 @@ class Broker:
         if self._async:
             cur = _current()
             _io_stop([t for t in (conn.wait, conn.task) if t is not cur], s)
-            conn.wait = None
+            if conn.wait is not None:
+                conn.wait = None
             _io_forget(s)
             if conn.paused and self._flow is not None:
                 self._flow.set()  # its reader waits for flow control: let it end
@@ -3876,8 +3935,9 @@ class Broker:
         last = self.clock()
         paused = False
         try:
+            short = False
             while self.running:
-                for ev in _poll(self.poller, 200 if eng.idle() else 0):
+                for ev in _poll(self.poller, 200 if short or eng.idle() else 0):
                     k = ev[0]
                     if k == lkey:
                         self._accept()
@@ -3889,7 +3949,12 @@ class Broker:
                                 pass  # a new poller (_new_poller) left it out
                         continue
                     conn = socks.get(k)
-                    if conn is None or conn.closed:
+                    if conn is not None and conn.closed:
+                        # ended while the heap was short, its release not
+                        # done then (Engine.close, _release_ended): now
+                        self._forget(conn)
+                        continue
+                    if conn is None:
                         d = self.drains.get(k)
                         if d is not None:
                             self._drain_read(d)
@@ -3905,7 +3970,7 @@ class Broker:
                         if conn.held is not None and not conn.paused and not conn.closed:
                             conn.paused = True  # flow control: no POLLIN until resumed
                             self.poller.modify(conn.io, self._mask(conn))
-                self._turn()
+                short = self._turn()
                 now = self.clock()
                 if self.draining:
                     for ent in list(self.draining):
@@ -3918,6 +3983,9 @@ class Broker:
                 if on_tick is not None and now - last >= 1:
                     last = now
                     on_tick(self)
+        except MemoryError:
+            self.failed = True
+            raise
         finally:
             self.shutdown()
 
@@ -3945,11 +4013,14 @@ class Broker:
             while self.running:
                 await wake.wait()
                 wake.clear()
-                self._turn()
-                while self.running and not eng.idle():
+                short = self._turn()
+                while self.running and not eng.idle() and not short:
                     # paced deliveries go on, but every other task runs first
                     await aio.sleep(0)
-                    self._turn()
+                    short = self._turn()
+        except MemoryError:
+            self.failed = True  # main() says so and exits non-zero
+            raise
         finally:
             _io_stop((acc,), self.lsock)
             tick.cancel()
@@ -3970,8 +4041,7 @@ class Broker:
                     break
                 self._accept()
             except MemoryError:
-                gc.collect()
-                self.engine.refuse("memory", "MemoryError in accept")
+                self._short("MemoryError in accept")
             self._wake.set()
 
     # >>> host only: main's --stop-on-eof (a board build leaves it out)
@@ -4021,8 +4091,7 @@ class Broker:
                 self._read(conn)
                 self._wake.set()
         except MemoryError:
-            gc.collect()
-            self.engine.refuse("memory", "MemoryError serving %s", conn.cid)
+            self._short("MemoryError serving %s", conn.cid)
             self.engine.close(conn, True)
         finally:
             try:
@@ -4032,11 +4101,14 @@ class Broker:
                 # the socket is released whatever the engine's part raised
                 # (a MemoryError while the heap is short): a board has ten
                 if conn.io is not None:
-                    if conn.wait is not None:
-                        _io_stop((conn.wait,), s)
-                        conn.wait = None
-                    _io_forget(s)
-                    self._close_io(conn)
+                    w = conn.wait
+                    try:
+                        if w is not None:
+                            conn.wait = None
+                            _io_stop((w,), s)
+                    finally:
+                        _io_forget(s)
+                        self._close_io(conn)
                 self._wake.set()
 
     async def _writer(self, conn):
@@ -4284,6 +4356,20 @@ def main(argv):
     except KeyboardInterrupt:
         pass
     except MemoryError:
+        if broker.failed:
+            # out of the server's own loop: every MemoryError a connection
+            # or a turn can raise is handled below it, so this one is a
+            # broker that cannot go on. It says so and fails (a supervisor
+            # restarts it; what was acknowledged is on flash).
+            broker = None
+            gc.collect()
+            try:
+                print(
+                    "edgebroker: error: out of heap, the server stopped (heap_reserve)",
+                    file=sys.stderr,
+                )
+            finally:
+                sys.exit(3)
         # The unix port raises KeyboardInterrupt from its signal handler; one
         # that lands inside a garbage collection leaves the heap locked, and
         # shutdown cannot allocate. What was acknowledged is on flash already

@@ -675,6 +675,117 @@ def test_memory_error_writing_a_queued_message_loses_nothing():
     assert [(m.payload, m.dup) for m in got] == [(b"0" * 10, 1), (b"1" * 20, 0), (b"2" * 30, 0)]
 
 
+def _no_heap(eng, fn):
+    """Runs fn() with no heap to allocate from: MicroPython's heap_lock
+    (every allocation raises MemoryError); on CPython, which cannot, the
+    engine's steps that allocate (ending or bounding sessions) raise it.
+    Returns the MemoryError fn() raised, or None."""
+    try:
+        import micropython
+        lock, unlock = micropython.heap_lock, micropython.heap_unlock
+    except (ImportError, AttributeError):
+        lock = unlock = None
+
+    def boom(*a):
+        raise MemoryError("test")
+
+    saved = (eng.end_session, eng.bound_offline)
+    if lock is None:
+        eng.end_session = eng.bound_offline = boom
+    err = None
+    if lock is not None:
+        lock()
+    try:
+        fn()
+    except MemoryError as e:
+        err = e
+    finally:
+        if unlock is not None:
+            unlock()
+        eng.end_session, eng.bound_offline = saved
+    return err
+
+
+def test_close_needs_no_heap_to_end_a_connection():
+    """Engine.close() with no heap at all (a MemoryError is a common reason
+    to close): the connection is closed, its session offline and unbound,
+    and the connection handed to the server (`ended`); what allocates comes
+    after and may fail. Before, close() set attributes the instance did not
+    have yet (`closed` first of all): a MemoryError there left the session
+    bound to a dead connection and the socket never released."""
+    eng = mk()
+    will = ("w/s", b"gone", 1, False, b"")
+    p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60), will=will)
+    p.send(subscribe(1, [("t/#", 1)]))
+    p.packets()
+    c = Peer(eng, "c")                                      # expiry 0: ends with it
+    del eng.ended[:]                                        # (its room is kept)
+    n = eng.connected
+    _no_heap(eng, lambda: eng.close(p.c, True))
+    _no_heap(eng, lambda: eng.close(c.c, True))
+    assert p.c.closed and c.c.closed
+    assert eng.ended == [p.c, c.c] and eng.connected == n - 2
+    assert eng.sessions["s"].conn is None and eng.sessions["s"].subs
+    # ended, or (if that took heap) offline until the expiry sweep ends it
+    assert "c" not in eng.sessions or eng.sessions["c"].conn is None
+    eng.turn(T0 + 1)
+    assert "c" not in eng.sessions
+    q = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
+    assert q.connack[0] == 1                                # MQTT-3.2.2-3: resumed
+    pub = Peer(eng, "pub")
+    pub.send(publish("t/x", b"after", qos=1, pid=3))
+    assert [m.payload for m in q.msgs()] == [b"after"]
+
+
+def test_server_releases_later_a_connection_its_heap_could_not_release():
+    """The poll server's release of an ended connection runs out of heap
+    (here _close_io raises MemoryError): the turn reports it (a refusal,
+    `memory`), the connection stays listed in `ended` with its socket, and
+    the next turn releases it: the client sees the close. Before, the list
+    was dropped first and the socket stayed open for good."""
+    import select
+    import socket
+    import time
+    b = eb.Broker(eb.limits({}), None, None, _log)
+    port = 0
+    for port in range(47000 + int(time.time()) % 1000 * 7, 65000, 97):
+        try:
+            b.listen("127.0.0.1", port)
+            break
+        except OSError:
+            continue
+    b.poller = select.poll()  # (what serve() makes)
+    cl = socket.socket()
+    try:
+        cl.connect(socket.getaddrinfo("127.0.0.1", port)[0][-1])
+        for _ in range(100):
+            b._accept()
+            if b.engine.conns:
+                break
+            time.sleep(0.01)
+        conn = list(b.engine.conns)[0]
+        b.engine.close(conn, False)
+        real = b._close_io
+
+        def boom(c):
+            raise MemoryError("test")
+
+        b._close_io = boom
+        try:
+            assert b._turn() is True
+        finally:
+            b._close_io = real
+        assert b.engine.ended == [conn] and conn.io is not None
+        assert b.engine.refusals["memory"] == 1
+        assert b._turn() is False
+        assert b.engine.ended == [] and conn.io is None
+        cl.settimeout(2)
+        assert cl.recv(10) == b""                          # the close reached it
+    finally:
+        cl.close()
+        b.shutdown()
+
+
 def test_connect_session_present_MQTT_3_2_2_2_3():
     eng = mk()
     p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))

@@ -238,6 +238,8 @@ class Subscriber:
     def drain(self, quiet):
         """Reads until nothing comes for `quiet` seconds."""
         c = self.conn
+        if c is None:  # (lenient: a release() before it found the connection closed)
+            raise Gone(self.cid)
         while True:
             try:
                 p = c.read_packet(quiet)

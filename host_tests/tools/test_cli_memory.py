@@ -81,6 +81,27 @@ def test_micropython_broker_holds_sigint_and_stops_at_end_of_stdin(broker_factor
     assert mosquitto_sub(b2.port, ["-t", "eof/#", "-v"], count=1, timeout=5) == ["eof/t kept"]
 
 
+@pytest.mark.parametrize("server", ["poll", "async"])
+def test_a_memory_error_out_of_the_server_loop_fails_loudly(interp, tmp_path, server):
+    """Every MemoryError a connection, an accept or a turn raises is handled
+    below the server loop; one that still leaves it (here from a turn made
+    to raise it) is a broker that cannot go on: one line on stderr and exit
+    status 3, not the silent exit 0 it was (main() took it for a SIGINT
+    that landed inside a collection)."""
+    if interp == "mosquitto":
+        pytest.skip("edgebroker's own exit")
+    exe = sys.executable if interp == "cpython" else str(Path(sys.executable).parent / "micropython")
+    args = ["edgebroker.py", "--board", "boards/host.json", "--port", str(_free_port()),
+            "--bind", "127.0.0.1", "--data-dir", str(tmp_path / "d"), "--server", server]
+    code = ("import sys\nsys.path.insert(0, %r)\nimport edgebroker\n"
+            "def boom(self):\n    raise MemoryError('test')\n"
+            "edgebroker.Broker._turn = boom\nedgebroker.main(%r)\n") % (str(REPO / "lib"), args)
+    r = subprocess.run([exe, "-c", code], cwd=str(REPO), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == \
+        "edgebroker: error: out of heap, the server stopped (heap_reserve)", r.stderr
+
+
 def test_cli_run_rejects_bad_input(tmp_path):
     """Bad input gets a clear one-line answer naming what is wrong."""
     r = subprocess.run([str(EDGEBROKER), "run", "--board", str(tmp_path / "nope.json")],
