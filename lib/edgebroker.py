@@ -3090,11 +3090,19 @@ class Engine:
         self.now_s = now
         if now - self._last_tick >= 1:
             self.tick()
-        if self.busy:
-            busy = self.busy
-            self.busy = []
-            for sess in busy:
-                self.pump(sess)
+        busy = self.busy
+        if busy:
+            # in place: the sessions there now, each taken off before its
+            # pump (which may list it again, at the end); one whose pump ran
+            # out of heap goes back first (the room its pop left: no heap),
+            # and it and the rest wait for the next turn
+            for _ in range(len(busy)):
+                sess = busy.pop(0)
+                try:
+                    self.pump(sess)
+                except MemoryError:
+                    busy.insert(0, sess)
+                    raise
         if self.localq:
             self.run_local()
         if self.held and not self.congested:
@@ -3340,7 +3348,13 @@ class Engine:
         for sess in list(self.sessions.values()):
             if sess.conn is None and sess.expiry != 0xFFFFFFFF and now - sess.gone >= sess.expiry:
                 self.end_session(sess)
-            elif sess.queue and sess.conn is None:
+            elif sess.conn is not None:
+                if (sess.queue or sess.rq or sess.conn.resend) and sess not in self.busy:
+                    # a connected client's waiting messages go on at least
+                    # once a second, whatever kept it out of `busy` (an
+                    # append that ran out of heap): no MemoryError stalls it
+                    self.busy.append(sess)
+            elif sess.queue:
                 q = sess.queue
                 while q:
                     m = q_msg(q[0])

@@ -786,6 +786,62 @@ def test_server_releases_later_a_connection_its_heap_could_not_release():
         b.shutdown()
 
 
+def test_a_pump_out_of_heap_stalls_no_session():
+    """Two subscribers whose queues wait for their drained buffers (`busy`);
+    the first one's pump runs out of heap (MicroPython: heap_lock; CPython:
+    its pump raises). The turn raises (the server counts it) and both stay
+    listed: the next turn delivers to both. Before, the list was swapped
+    out first and both were dropped from it: their queued messages waited
+    for some later event (a connected client with nothing in flight sends
+    none). And a connected session left out of the list anyway (an append
+    that failed) is listed again by the once-a-second housekeeping."""
+    eng = mk(max_outbuf=256)
+    subs = [Peer(eng, "s%d" % i, v=4) for i in range(2)]
+    for p in subs:
+        p.sub("q/#", 1)
+    pub = Peer(eng, "pub")
+    for k in range(3):
+        pub.send(publish("q/t", b"m%d" % k + b"." * 200, qos=1, pid=k + 1))
+        pub.packets()
+    for p in subs:
+        assert [m.payload[:2] for m in p.msgs()] == [b"m0"]      # the rest queued
+    assert eng.busy == [p.c.sess for p in subs]
+    first = subs[0].c.sess
+    real = eng.pump
+
+    def pump(sess):
+        if sess is first:
+            raise MemoryError("test")
+        real(sess)
+
+    try:
+        import micropython
+        micropython.heap_lock()
+        try:
+            eng.turn(T0)
+        except MemoryError:
+            pass
+        finally:
+            micropython.heap_unlock()
+    except (ImportError, AttributeError):
+        eng.pump = pump
+        try:
+            eng.turn(T0)
+        except MemoryError:
+            pass
+        finally:
+            eng.pump = real
+    assert eng.busy == [first, subs[1].c.sess]
+    eng.turn(T0)
+    for p in subs:
+        assert [m.payload[:2] for m in p.msgs()] == [b"m1"]
+    # the housekeeping lists a connected session with messages waiting
+    del eng.busy[:]
+    eng.turn(T0 + 1)
+    for p in subs:
+        assert [m.payload[:2] for m in p.msgs()] == [b"m2"]
+
+
 def test_connect_session_present_MQTT_3_2_2_2_3():
     eng = mk()
     p = Peer(eng, "s", clean=False, props=p_u32(0x11, 60))
