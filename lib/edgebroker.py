@@ -3157,13 +3157,17 @@ class Engine:
                 self.gen = gen
                 sy.start()
             return ok
-        if self.deferred:
-            for conn in self.deferred:
-                d = conn.defer
-                conn.defer = None
-                for a in d:
-                    self.write(conn, a)
-            self.deferred = []
+        dl = self.deferred
+        while dl:
+            # in order (4.6); an ack that meets a MemoryError stays first in
+            # line with the ones after it, and they leave at the next turn
+            conn = dl[0]
+            d = conn.defer
+            while d:
+                self.write(conn, d[0])
+                d.pop(0)
+            conn.defer = None
+            dl.pop(0)
         return ok
 
     def synced(self):
@@ -3267,9 +3271,16 @@ class Engine:
         callback that raises is logged and counted ($SYS app errors); the
         others still get their messages."""
         q = self.localq
-        self.localq = []
-        for sess, msg, retain in q:
-            self.call_local(sess, msg, retain)
+        # in place, like the turn's pumps: one that runs out of heap (before
+        # the callback: a callback's own errors are caught below) goes back
+        # first, and it and the rest run at the next turn
+        for _ in range(len(q)):
+            ent = q.pop(0)
+            try:
+                self.call_local(ent[0], ent[1], ent[2])
+            except MemoryError:
+                q.insert(0, ent)
+                raise
 
     def call_local(self, sess, msg, retain):
         cb = sess.cb
@@ -3309,12 +3320,19 @@ class Engine:
         durable, so its acknowledgements are never sent. The clients that
         wait for them are disconnected (5.0: 0x80) and resend on reconnect
         (MQTT-4.4.0-1); the broker goes on."""
+        # the acks dropped first (nothing here may allocate before: a later
+        # turn must not send them if what follows runs out of heap)
+        dl = self.deferred
+        for conn in dl:
+            conn.defer = None
+        while dl:
+            conn = dl.pop()
+            try:
+                self.disconnect(conn, _RC_UNSPECIFIED, "retained store write failed")
+            except MemoryError:
+                self.close(conn, True)  # (no heap for a DISCONNECT: closed all the same)
         self.log("error", "retained store commit failed: %r", err)
         self.refuse("store_io", "commit failed")
-        for conn in self.deferred:
-            conn.defer = None
-            self.disconnect(conn, _RC_UNSPECIFIED, "retained store write failed")
-        self.deferred = []
 
     def protocol_error(self, conn, err):
         conn.linger = True  # it is likely still writing: graceful close (Broker._linger)
