@@ -1317,21 +1317,31 @@ class Bridge:
                 try:
                     await self._session(aio, clock)
                     self.fails = 0
-                except (OSError, _Down, eb.MqttError, ValueError) as e:
-                    self.err = _why(e)
+                except Exception as e:  # down, refused, or a bug: it tries again
                     self.fails += 1
-                    self.log("warning", "link down: %s", self.err)
-                except Exception as e:  # a bug must not end the bridge for good
-                    self.err = _why(e)
-                    self.fails += 1
-                    self.log("error", "link failed: %s", self.err)
-                    eb._print_exc(e)
+                    self._failed(e)
                 finally:
-                    self._close()
-                    self._state()
+                    try:
+                        self._close()
+                        self._state()
+                    except MemoryError:
+                        pass  # the socket is closed first; the state goes out at its next change
         finally:
             self._close()
             self.q.close()
+
+    def _failed(self, e):
+        # Never raises: the link must try again whatever ended it, a
+        # MemoryError included (then its report may not fit either).
+        try:
+            self.err = _why(e)
+            if isinstance(e, (OSError, _Down, eb.MqttError, ValueError)):
+                self.log("warning", "link down: %s", self.err)
+            else:
+                self.log("error", "link failed: %s", self.err)
+                eb._print_exc(e)
+        except MemoryError:
+            self.err = "MemoryError"
 
     async def _backoff(self, aio, clock):
         c = self.c
@@ -1380,6 +1390,8 @@ class Bridge:
             s = self.sock = await self._tls(aio, s, clock() + c["connect_timeout"])
         self.rbuf = bytearray()
         self.connack = None
+        self.in2 = {}
+        self.relq = []
         self.out = bytearray(self._connect_packet())
         self.last_rx = self.last_tx = self.last_ping = self.last_ack = clock()
         rd = aio.create_task(self._reader(s, clock))
@@ -1865,14 +1877,16 @@ class Bridge:
         self.sock = None
         was = self.up
         self.up = False
-        self.out = bytearray()
-        self.in2 = {}
-        self.relq = []
+        # the socket first: what follows allocates (and _session() starts
+        # from fresh state again if it could not)
         eb._io_forget(s)
         try:
             s.close()
         except OSError:
             pass
+        self.out = bytearray()
+        self.in2 = {}
+        self.relq = []
         if was:
             self.hiwater = max(self.hiwater, self.sendpos, self.lpos)
             self.log("info", "disconnected: %s", self.err or "-")

@@ -14,7 +14,6 @@ import getpass
 import json
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -446,6 +445,26 @@ def test_forwarding_and_mapping_both_directions(broker_factory, upstream, collec
     assert downs.count(("echo/a", b"e1")) == 1 and downs.count(("echo/b", b"from cloud")) == 1
     local.close()
     cloud.close()
+
+
+@ASYNC
+def test_a_link_out_of_heap_tries_again(broker_factory, upstream, collector):
+    """The link's first two attempts run out of heap, and so does the log
+    line that would report each (host_tests/portable/oom_link_broker.py
+    patches only the bridge): the link task goes on, the third attempt
+    connects, and messages published meanwhile are forwarded. Before, a
+    MemoryError inside the report ended the link task for good."""
+    up = upstream()
+    col = collector(up.port)
+    script = Path(__file__).resolve().parents[1] / "portable" / "oom_link_broker.py"
+    gw = broker_factory(script=str(script), storage_type="disc_only", max_inflight=64,
+                        max_queued=4096, bridges=[bridge(up.port, OUT)])
+    publish_many(gw.port, [("sensors/t", b"before")])
+    wait_connected(gw, timeout=20)
+    publish_many(gw.port, [("sensors/t", b"after")])
+    want = {("site1/gw1/sensors/t", b"before"), ("site1/gw1/sensors/t", b"after")}
+    assert wait_for(lambda: arrived(col) >= want, 10), col.get()
+    assert "Traceback" not in gw.log_text() and gw.alive(), gw.log_text()[-3000:]
 
 
 @ASYNC
