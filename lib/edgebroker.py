@@ -3996,7 +3996,17 @@ class Broker:
                         continue
                     e = ev[1]
                     if e & select.POLLOUT:
-                        self._flush(conn)
+                        try:
+                            self._flush(conn)
+                        except MemoryError:
+                            # as the async writer: flushed again next turn
+                            self._short("MemoryError sending to %s", conn.cid)
+                            conn.wait = False
+                            self.poller.modify(conn.io, self._mask(conn))
+                            try:
+                                eng.dirty.append(conn)
+                            except MemoryError:
+                                eng.close(conn, True)
                     if e & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
                         self._read(conn)
                         if conn.held is not None and not conn.paused and not conn.closed:
@@ -4150,6 +4160,15 @@ class Broker:
                 await _io_wait(conn.io, True)
                 if conn.closed or self._flush(conn):
                     break
+        except MemoryError:
+            # what was sent is accounted (Engine.sent); the rest is flushed
+            # at the next turn (or, if even that cannot be noted, the
+            # connection closes: its session keeps what is unacknowledged)
+            self._short("MemoryError sending to %s", conn.cid)
+            try:
+                self.engine.dirty.append(conn)
+            except MemoryError:
+                self.engine.close(conn, True)
         finally:
             conn.wait = None
             self._wake.set()

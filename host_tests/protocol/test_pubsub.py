@@ -692,6 +692,57 @@ def test_qos1_queued_behind_a_full_buffer_leaves_when_the_reader_drains_MQTT_4_6
         slow.close()
 
 
+def test_a_flush_to_a_full_socket_out_of_heap_loses_no_buffered_byte(broker_factory, request):
+    """The first flush made while a subscriber's socket was full (the async
+    writer task, or the poll server's POLLOUT) runs out of heap
+    (host_tests/portable/oom_writer_broker.py patches only that flush). What
+    the broker buffered for the subscriber still reaches it once it reads:
+    every QoS 0 message was delivered or dropped and counted
+    ($SYS/broker/messages/dropped), none stuck. Before, the writer task
+    died (async) or the server stopped (poll), and the buffered bytes
+    waited for a later message to the same client."""
+    from pathlib import Path
+
+    from mqtt_helpers import PUBLISH, parse_publish, raw_connect, requires_edgebroker
+
+    script = Path(__file__).resolve().parents[1] / "portable" / "oom_writer_broker.py"
+    b = broker_factory(script=str(script), max_outbuf=16384)
+    requires_edgebroker(b)
+    n, size = 800, 8192
+    slow = SlowReader(b.port, rcvbuf=2048, version=4)
+    pub = raw_connect(b.port, "oom-pub", version=4)
+    try:
+        assert slow.connect("oom-slow").reason == 0
+        assert slow.subscribe([("f/#", 0)]) == [0]
+        # bounded: 6.5 MB, more than loopback and max_outbuf take together
+        for i in range(n):
+            pub.send(publish_packet("f/t", (b"%05d" % i).ljust(size, b"."), version=4))
+        pub.send(b"\xc0\x00")
+        assert pub.expect(13, 30)                            # all of it routed
+        got = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                p = slow.read_packet(3.0)                    # quiet for 3 s: done
+            except TimeoutError:
+                break
+            if p is None:
+                break
+            if p.ptype == PUBLISH:
+                got.append(int(parse_publish(p.flags, p.body, 4).payload[:5]))
+        assert got == sorted(got) and len(set(got)) == len(got)
+        sysc = raw_connect(b.port, "oom-sys", version=4)
+        assert sysc.subscribe([("$SYS/broker/messages/dropped", 0)]) == [0]
+        dropped = int(sysc.expect_publish(5).payload)
+        sysc.disconnect()
+        assert len(got) + dropped == n, (len(got), dropped)
+        assert 0 < len(got) < n
+        assert b.alive() and "Traceback" not in b.log_text(), b.log_text()[-3000:]
+    finally:
+        pub.close()
+        slow.close()
+
+
 def test_slow_qos0_reader_bounded_other_subscriber_unaffected(broker_factory, request):
     """A subscriber that never reads (tiny socket buffer) does not stall
     the broker or other clients: with max_outbuf=16384 the QoS 0 messages
