@@ -3696,17 +3696,20 @@ class Broker:
                 if not conn.closed and conn.out and not conn.wait:
                     try:
                         self._flush(conn)
-                    except MemoryError:
-                        # e.g. no heap for its writer task: tried again at
-                        # the next turn, or if even that cannot be noted,
-                        # closed (its session keeps what is unacknowledged)
+                    except MemoryError:  # e.g. no heap for its writer task
                         short = True
-                        try:
-                            eng.dirty.append(conn)
-                        except MemoryError:
-                            eng.close(conn, True)
+                        self._reflush(conn)
         self._release_ended()
         return short
+
+    def _reflush(self, conn):
+        # A flush that ran out of heap is made again at the next turn; if
+        # even that cannot be noted, the connection closes (its session
+        # keeps what is unacknowledged).
+        try:
+            self.engine.dirty.append(conn)
+        except MemoryError:
+            self.engine.close(conn, True)
 
     def _release_ended(self):
         # The list is kept (its room too: appending to it in Engine.close()
@@ -4003,10 +4006,7 @@ class Broker:
                             self._short("MemoryError sending to %s", conn.cid)
                             conn.wait = False
                             self.poller.modify(conn.io, self._mask(conn))
-                            try:
-                                eng.dirty.append(conn)
-                            except MemoryError:
-                                eng.close(conn, True)
+                            self._reflush(conn)
                     if e & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
                         self._read(conn)
                         if conn.held is not None and not conn.paused and not conn.closed:
@@ -4161,14 +4161,10 @@ class Broker:
                 if conn.closed or self._flush(conn):
                     break
         except MemoryError:
-            # what was sent is accounted (Engine.sent); the rest is flushed
-            # at the next turn (or, if even that cannot be noted, the
-            # connection closes: its session keeps what is unacknowledged)
+            # what was sent is accounted (Engine.sent); the rest goes at the
+            # next turn
             self._short("MemoryError sending to %s", conn.cid)
-            try:
-                self.engine.dirty.append(conn)
-            except MemoryError:
-                self.engine.close(conn, True)
+            self._reflush(conn)
         finally:
             conn.wait = None
             self._wake.set()
