@@ -20,6 +20,7 @@ from test_bridge import (  # noqa: F401 (fixtures)
     OUT,
     arrived,
     bridge,
+    bridge_state,
     check_all_in_order,
     collector,
     gateway,
@@ -113,8 +114,16 @@ def test_random_faults_lose_nothing(broker_factory, upstream, collector, proxy, 
     want = [("site1/gw1/" + t, p) for t, p in sent]
     if not wait_for(lambda: len(arrived(col)) >= len(set(want)), 90):
         missing = sorted(set(want) - arrived(col), key=want.index)
-        raise AssertionError("%d of %d arrived, missing %r; schedule: %s\n%s" % (
-            len(arrived(col)), len(set(want)), missing[:10], log, gw.log_text()[-3000:]))
+        # what tells whose loss it is: the bridge's backlog (empty: the
+        # upstream acknowledged every message) and the upstream's own log
+        try:
+            state = bridge_state(gw.port)
+        except Exception as e:  # (the report must not hide the failure)
+            state = "unreadable: %r" % (e,)
+        raise AssertionError("%d of %d arrived, missing %r; schedule: %s\nbridge state: %s\n"
+                             "gateway log:\n%s\nupstream log:\n%s" % (
+                                 len(arrived(col)), len(set(want)), missing[:10], log, state,
+                                 gw.log_text()[-3000:], up.log()[-3000:]))
     got = [m for m in col.get() if not m[0].endswith("/status")]
     check_all_in_order(got, want)
     if qos == 2:
