@@ -1286,6 +1286,22 @@ def q_entry(msg, qos, retain, sids):
     return [msg, qos, retain, sids]
 
 
+def _unfinished(items, i, later):
+    """The error path of a list worked through after it was swapped for an
+    empty one (a MemoryError part way): the first i items are done and
+    leave it one by one (no heap), and what was listed meanwhile (later)
+    follows the rest, each object once. Returns the list to keep."""
+    for _ in range(i):
+        items.pop(0)
+    for x in later:
+        for y in items:
+            if y is x:
+                break
+        else:
+            items.append(x)
+    return items
+
+
 def q_msg(ent):
     # the message of a queued entry; an entry list is a list, a message a tuple
     return ent[_Q_MSG] if type(ent) is list else ent
@@ -3090,19 +3106,19 @@ class Engine:
         self.now_s = now
         if now - self._last_tick >= 1:
             self.tick()
-        busy = self.busy
-        if busy:
-            # in place: the sessions there now, each taken off before its
-            # pump (which may list it again, at the end); one whose pump ran
-            # out of heap goes back first (the room its pop left: no heap),
-            # and it and the rest wait for the next turn
-            for _ in range(len(busy)):
-                sess = busy.pop(0)
-                try:
+        if self.busy:
+            busy = self.busy
+            self.busy = []
+            i = 0
+            try:
+                for sess in busy:
                     self.pump(sess)
-                except MemoryError:
-                    busy.insert(0, sess)
-                    raise
+                    i += 1
+            except MemoryError:
+                # the one that ran out of heap and the rest wait for the
+                # next turn, first
+                self.busy = _unfinished(busy, i, self.busy)
+                raise
         if self.localq:
             self.run_local()
         if self.held and not self.congested:
@@ -3157,17 +3173,24 @@ class Engine:
                 self.gen = gen
                 sy.start()
             return ok
-        dl = self.deferred
-        while dl:
-            # in order (4.6); an ack that meets a MemoryError stays first in
-            # line with the ones after it, and they leave at the next turn
-            conn = dl[0]
-            d = conn.defer
-            while d:
-                self.write(conn, d[0])
-                d.pop(0)
-            conn.defer = None
-            dl.pop(0)
+        if self.deferred:
+            dl = self.deferred
+            k = i = 0
+            try:
+                for conn in dl:
+                    i = 0
+                    for a in conn.defer:
+                        self.write(conn, a)
+                        i += 1
+                    conn.defer = None
+                    k += 1
+            except MemoryError:
+                # in order (4.6): the ack that ran out of heap and the ones
+                # after it leave at the next turn
+                _unfinished(dl[k].defer, i, ())
+                _unfinished(dl, k, ())
+                raise
+            self.deferred = []
         return ok
 
     def synced(self):
@@ -3271,16 +3294,17 @@ class Engine:
         callback that raises is logged and counted ($SYS app errors); the
         others still get their messages."""
         q = self.localq
-        # in place, like the turn's pumps: one that runs out of heap (before
-        # the callback: a callback's own errors are caught below) goes back
-        # first, and it and the rest run at the next turn
-        for _ in range(len(q)):
-            ent = q.pop(0)
-            try:
-                self.call_local(ent[0], ent[1], ent[2])
-            except MemoryError:
-                q.insert(0, ent)
-                raise
+        self.localq = []
+        i = 0
+        try:
+            for sess, msg, retain in q:
+                self.call_local(sess, msg, retain)
+                i += 1
+        except MemoryError:
+            # (before its callback: a callback's own errors are caught
+            # there) it and the rest run at the next turn, first
+            self.localq = _unfinished(q, i, self.localq)
+            raise
 
     def call_local(self, sess, msg, retain):
         cb = sess.cb
