@@ -10,6 +10,7 @@ Profile keys and refusal codes: docs/contract.md.
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers_pubsub import (
@@ -692,6 +693,61 @@ def test_qos1_queued_behind_a_full_buffer_leaves_when_the_reader_drains_MQTT_4_6
         slow.close()
 
 
+OOM_ENGINE = Path(__file__).resolve().parents[1] / "portable" / "oom_engine_broker.py"
+
+
+def test_acks_after_a_commit_out_of_heap_still_leave_in_order_MQTT_4_6(broker_factory):
+    """Retained QoS 1 PUBLISHes on a flash store: their PUBACKs wait for the
+    commit; writing the first one runs out of heap (oom_engine_broker.py
+    --fault puback patches only that). All three still arrive, in order
+    (MQTT-4.6.0-2), to a real client. Before, the rest of that client's
+    acks were lost and every later turn raised (no ack for anyone)."""
+    b = broker_factory(script=str(OOM_ENGINE), extra_args=("--fault", "puback"),
+                       storage_type="disc")
+    requires_edgebroker(b)
+    c = raw_connect(b.port, "acks", version=5)
+    try:
+        for pid in (1, 2, 3):
+            c.send(publish_packet("ack/%d" % pid, b"v", qos=1, retain=True, pid=pid, version=5))
+        got = []
+        for _ in range(3):
+            p = c.read_packet(5)
+            assert p is not None and p.ptype == PUBACK, (p, got)
+            got.append(parse_ack(p.body, 5)[0])
+        assert got == [1, 2, 3]
+        c.send(publish_packet("ack/4", b"v", qos=1, retain=True, pid=4, version=5))
+        assert parse_ack(c.expect(PUBACK, 5).body, 5)[0] == 4
+    finally:
+        c.close()
+    assert "refused (memory)" in b.log_text() and "Traceback" not in b.log_text()
+
+
+def test_a_pump_out_of_heap_stalls_no_subscriber(broker_factory):
+    """A subscriber whose send buffer drained has its queue pumped at the
+    turn; that pump runs out of heap (oom_engine_broker.py --fault pump).
+    Its queued QoS 1 messages still arrive, without an acknowledgement from
+    it to move them (a real client that acks nothing until it has them
+    all). Before, the turn dropped it (and the sessions after it) from its
+    list and the messages waited for the next event on that session."""
+    b = broker_factory(script=str(OOM_ENGINE), extra_args=("--fault", "pump"), max_outbuf=256)
+    requires_edgebroker(b)
+    s = raw_connect(b.port, "oom-pump", version=4)
+    pub = raw_connect(b.port, "oom-pump-pub", version=4)
+    try:
+        assert s.subscribe([("pq/#", 1)]) == [1]
+        # in one write: routed in one read, before the first is flushed, so
+        # the second and third wait in the queue for the buffer to drain
+        pub.send(b"".join(publish_packet("pq/t", b"m%d" % k + b"." * 200, qos=1, pid=k + 1,
+                                         version=4) for k in range(3)))
+        assert [pub.expect_ack(PUBACK, 5)[0] for _ in range(3)] == [1, 2, 3]
+        got = recv_publishes(s, 3, timeout=10, ack=False)
+        assert [m.payload[:2] for m in got] == [b"m0", b"m1", b"m2"]
+    finally:
+        pub.close()
+        s.close()
+    assert "refused (memory)" in b.log_text() and "Traceback" not in b.log_text()
+
+
 def test_a_flush_to_a_full_socket_out_of_heap_loses_no_buffered_byte(broker_factory, request):
     """The first flush made while a subscriber's socket was full (the async
     writer task, or the poll server's POLLOUT) runs out of heap
@@ -701,9 +757,7 @@ def test_a_flush_to_a_full_socket_out_of_heap_loses_no_buffered_byte(broker_fact
     ($SYS/broker/messages/dropped), none stuck. Before, the writer task
     died (async) or the server stopped (poll), and the buffered bytes
     waited for a later message to the same client."""
-    from pathlib import Path
-
-    from mqtt_helpers import PUBLISH, parse_publish, raw_connect, requires_edgebroker
+    from mqtt_helpers import PUBLISH, parse_publish
 
     script = Path(__file__).resolve().parents[1] / "portable" / "oom_writer_broker.py"
     b = broker_factory(script=str(script), max_outbuf=16384)
