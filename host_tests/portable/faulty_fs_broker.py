@@ -10,15 +10,13 @@
 #                      OSError 30 (EROFS): a read-only filesystem.
 import sys
 
-here = sys.argv[0].rsplit("/", 1)[0] if "/" in sys.argv[0] else "."
-sys.path.insert(0, here + "/../../lib")
+import wrapper_args
+
+wrapper_args.lib_on_path()
 import edgebroker  # noqa: E402
 import edgestore  # noqa: E402
 
-argv = list(sys.argv)
-i = argv.index("--fault")
-FAULT = argv[i + 1]
-del argv[i:i + 2]
+FAULT, argv = wrapper_args.take_fault(sys.argv)
 DATA = argv[argv.index("--data-dir") + 1]
 _open = edgestore.Fs.open
 

@@ -5,8 +5,9 @@
 # short of heap the report may not fit either). The rest runs as shipped.
 import sys
 
-here = sys.argv[0].rsplit("/", 1)[0] if "/" in sys.argv[0] else "."
-sys.path.insert(0, here + "/../../lib")
+import wrapper_args
+
+wrapper_args.lib_on_path()
 import edgebroker  # noqa: E402
 import edgebridge  # noqa: E402
 

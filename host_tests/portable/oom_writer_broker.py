@@ -6,8 +6,9 @@
 # sending. The rest runs as shipped.
 import sys
 
-here = sys.argv[0].rsplit("/", 1)[0] if "/" in sys.argv[0] else "."
-sys.path.insert(0, here + "/../../lib")
+import wrapper_args
+
+wrapper_args.lib_on_path()
 import edgebroker  # noqa: E402
 
 _flush = edgebroker.Broker._flush

@@ -802,9 +802,10 @@ def _turn_with(eng, name, fake):
 
 def test_a_pump_out_of_heap_stalls_no_session():
     """Two subscribers whose queues wait for their drained buffers (`busy`);
-    the first one's pump runs out of heap (here: raises MemoryError). The turn raises (the server counts it) and both stay
-    listed: the next turn delivers to both. Before, the list was swapped
-    out first and both were dropped from it: their queued messages waited
+    the first one's pump runs out of heap (here: raises MemoryError). The
+    turn raises (the server counts it) and both stay listed: the next turn
+    delivers to both. Before, both were dropped from the list (it was
+    swapped out first and not put back): their queued messages waited
     for some later event (a connected client with nothing in flight sends
     none). And a connected session left out of the list anyway (an append
     that failed) is listed again by the once-a-second housekeeping."""
