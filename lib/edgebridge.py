@@ -768,12 +768,12 @@ class Bridge:
         self.eng.log(level, "bridge %s: " % self.name + fmt, *args)
 
     # ------------------------------------------------------- engine sink
-    def put(self, msg, retain, origin):
-        """Routing calls this for every PUBLISH; True when the message went
-        into the flash queue (its PUBACK then waits for commit())."""
+    def put(self, msg, retain, origin, topic):
+        """Routing calls this for every PUBLISH (topic: the str of its topic
+        bytes); True when the message went into the flash queue (its PUBACK
+        then waits for commit())."""
         if self.inbound:
             return False  # came from upstream: never sent back (no loop)
-        topic = msg[0]
         for flev, _r, pre, rb, ll, rq, latest in self.outr:  # noqa: B007 (read after the break)
             if pre is not None:
                 # "a/b/#" matches "a/b" and everything below it (4.7.1.2);
@@ -784,14 +784,14 @@ class Bridge:
                 break
         else:
             return False
-        tb = rb + msg[1][ll:]  # the remote topic, from the topic's bytes
-        qos = msg[3]
+        tb = rb + msg[0][ll:]  # the remote topic, from the topic's bytes
+        qos = msg[2]
         if qos > rq:
             qos = rq
         exp = 0
         flags = F_RETAIN if retain else 0
-        if msg[5]:
-            exp = int(msg[5] - self.eng.now_s + 0.999)
+        if msg[4]:
+            exp = int(msg[4] - self.eng.now_s + 0.999)
             if exp <= 0:
                 return False
             flags |= F_EXP
@@ -800,7 +800,7 @@ class Bridge:
         if qos == 0:
             if self.up and len(self.out) < self.eng.max_outbuf:
                 self._publish(
-                    tb, qos, retain, 0, msg[4], exp if flags & F_EXP else -1, msg[2], False
+                    tb, qos, retain, 0, msg[3], exp if flags & F_EXP else -1, msg[1], False
                 )
                 self._kick()
             else:
@@ -817,7 +817,7 @@ class Bridge:
             # the wall clock once per turn (whole seconds: the queue's unit)
             self.wnow = now
             self.wall = eb._wallclock() or 0
-        if not q.append(qos, flags, exp, self.wall, tb, msg[4], msg[2]):
+        if not q.append(qos, flags, exp, self.wall, tb, msg[3], msg[1]):
             return False
         if latest:
             self._latest_at(tb, pos)
@@ -919,11 +919,12 @@ class Bridge:
         for o in self.outr:
             r = o[1]
             for m in store.match(o[0]):
+                topic = m[0].decode()
                 for o2 in self.outr:  # noqa: B007 (o2 is read after the break)
-                    if eb.topic_matches(o2[0], m[0]):
+                    if eb.topic_matches(o2[0], topic):
                         break
                 if o2[1] is r:
-                    self.put(m, 1, None)
+                    self.put(m, 1, None, topic)
         self.eng.sdirty = True  # committed at the first turn
 
     # ------------------------------------------------------------ writing
@@ -1940,7 +1941,8 @@ class Bridge:
         self.last_state = self.broker.clock()
         eng = self.eng
         eng.now_s = self.last_state
-        eng.publish(self.state_msg(), 1, None)
+        m = self.state_msg()
+        eng.publish(m, 1, None, m[0].decode())
         self.broker._kick()
 
 

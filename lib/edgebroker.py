@@ -1234,15 +1234,19 @@ class TopicTree:
 
 # --------------------------------------------------------- 6. retained store
 # A message is a tuple, immutable once made, shared by every queue it is in:
-#   (topic str, topic bytes, payload bytes, qos, forwarded 5.0 property bytes,
+#   (topic bytes, payload bytes, qos, forwarded 5.0 property bytes,
 #    expiry deadline in broker seconds or 0, own-expiry flag)
-_M_TOPIC = const(0)
-_M_TB = const(1)
-_M_PAYLOAD = const(2)
-_M_QOS = const(3)
-_M_PROPS = const(4)
-_M_EXP = const(5)
-_M_OWNEXP = const(6)
+# The topic is kept as the bytes that go on the wire, not also as a str:
+# routing decodes it while the message is routed (publish()'s caller has
+# it), so a queued message holds no str. On a 32-bit MicroPython that is 32
+# bytes less a message: the str's header, and six slots fit a tuple in two
+# 16-byte heap blocks where seven take three.
+_M_TB = const(0)
+_M_PAYLOAD = const(1)
+_M_QOS = const(2)
+_M_PROPS = const(3)
+_M_EXP = const(4)
+_M_OWNEXP = const(5)
 
 
 # The records below are lists (mutable, smaller than instances on
@@ -1477,7 +1481,7 @@ class Engine:
         self.busy = []  # sessions with deliveries that can go on now
         self.deferred = []  # connections with acks waiting for commit()
         self.localq = []  # [session, msg, retain]: local callbacks to run at turn()
-        # Durable sinks: objects with put(msg, retain, origin) -> True if they
+        # Durable sinks: objects with put(msg, retain, origin, topic) -> True if they
         # took it, a `durable` flag and commit() (raises OSError on failure).
         # A bridge's store-and-forward queue is one. commit() commits them
         # with the store, before the acknowledgements that waited leave.
@@ -2174,7 +2178,8 @@ class Engine:
         for w in self.wills:
             if w[_W_SESS] is sess:
                 self.wills.remove(w)
-                self.publish(w[_W_MSG], w[_W_RETAIN], None)
+                m = w[_W_MSG]
+                self.publish(m, w[_W_RETAIN], None, m[_M_TB].decode())
                 break
 
     def cancel_will(self, sess):
@@ -2186,7 +2191,7 @@ class Engine:
     # ------------------------------------------------------------ PUBLISH
     def make_msg(self, topic, payload, qos, fwd, exp_interval):
         exp = self.now_s + exp_interval if exp_interval else 0
-        return (topic, topic.encode(), payload, qos, fwd, exp, 1 if exp_interval else 0)
+        return (topic.encode(), payload, qos, fwd, exp, 1 if exp_interval else 0)
 
     def on_publish(self, conn, flags, b, i, end):
         qos = flags >> 1 & 3
@@ -2294,7 +2299,6 @@ class Engine:
                 raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
             in2[pid] = 1
         msg = (
-            topic,
             tb if tb is not None else topic.encode(),
             payload,
             qos,
@@ -2302,7 +2306,7 @@ class Engine:
             self.now_s + exp if exp else 0,
             1 if exp else 0,
         )
-        wait = self.publish(msg, retain, sess)
+        wait = self.publish(msg, retain, sess, topic)
         if qos:
             ack = bytes((0x40 if qos == 1 else 0x50, 2, pid >> 8, pid & 0xFF))
             if wait and conn.defer is None:
@@ -2325,22 +2329,22 @@ class Engine:
             raise MqttError(_RC_PROTOCOL, "unknown Topic Alias")
         return t
 
-    def publish(self, msg, retain, origin):
-        """Stores (if retained) and routes one message. Returns True when an
+    def publish(self, msg, retain, origin, topic):
+        """Stores (if retained) and routes one message, whose topic is
+        `topic` (the str of msg's topic bytes). Returns True when an
         acknowledgement must wait for the store's commit (durability)."""
         wait = False
         if retain:
-            wait = self.retain(msg)
+            wait = self.retain(msg, topic)
         if self.sinks:
             # durable sinks (a bridge's flash queue) take the message before
             # any acknowledgement of it leaves: the ack waits for commit()
             for k in self.sinks:
-                if k.put(msg, retain, origin) and k.durable:
+                if k.put(msg, retain, origin, topic) and k.durable:
                     wait = True
                     self.sdirty = True
         if not self.tree.root:
             return wait  # no subscription at all: nothing to route
-        topic = msg[_M_TOPIC]
         levels = topic.split("/")
         matched = None
         shared = None
@@ -2410,8 +2414,8 @@ class Engine:
         else:
             self.tree.remove(filt, sess)
 
-    def retain(self, msg):
-        wait = self._retain(msg)
+    def retain(self, msg, topic):
+        wait = self._retain(msg, topic)
         if wait:
             self.sdirty = True
         return wait
@@ -2421,9 +2425,8 @@ class Engine:
         (then the acknowledgement waits for the commit)."""
         return self.store.delete(topic) and self.store.durable
 
-    def _retain(self, msg):
+    def _retain(self, msg, topic):
         """Rules S1-S4 and L2-L4 of docs: store, replace or delete."""
-        topic = msg[_M_TOPIC]
         if topic[:4] == "$SYS":
             return False  # made on demand by sys_msgs(), never stored
         store = self.store
@@ -2452,7 +2455,6 @@ class Engine:
             # E3: the board's default lifetime for messages without their own
             m = msg
             msg = (
-                m[_M_TOPIC],
                 m[_M_TB],
                 m[_M_PAYLOAD],
                 m[_M_QOS],
@@ -2709,7 +2711,7 @@ class Engine:
                     continue
                 if m[_M_EXP] and m[_M_EXP] <= self.now_s:
                     continue  # its lifetime has passed (E1)
-                if sess.acl is not None and not self.auth.may(sess.acl, m[_M_TOPIC], 1):
+                if sess.acl is not None and not self.auth.may(sess.acl, m[_M_TB].decode(), 1):
                     continue  # retained messages obey the read rules
                 # held until it is written: a MemoryError below, or the
                 # buffer or the window being full, keeps it for the next try
@@ -2926,7 +2928,7 @@ class Engine:
 
     def sys_iter(self, flevels):
         for m in self.sys_msgs():
-            if topic_matches(flevels, m[_M_TOPIC]):
+            if topic_matches(flevels, m[_M_TB].decode()):
                 yield m
 
     def on_unsubscribe(self, conn, b, i, end):
@@ -3021,7 +3023,7 @@ class Engine:
                 # when the session ends, whichever comes first
                 self.wills.append([self.now_s + min(delay, sess.expiry), sess, msg, retain])
             else:
-                self.publish(msg, retain, None)
+                self.publish(msg, retain, None, msg[_M_TB].decode())
 
     # ------------------------------------------------- the server's side
     def open(self, io, now, peer=""):
@@ -3260,8 +3262,8 @@ class Engine:
         if qos > cfg["maximum_qos"]:
             qos = cfg["maximum_qos"]
         self.n_in += 1
-        msg = (topic, tb, payload, qos, fwd, self.now_s + exp if exp else 0, 1 if exp else 0)
-        self.publish(msg, 1 if retain else 0, None)
+        msg = (tb, payload, qos, fwd, self.now_s + exp if exp else 0, 1 if exp else 0)
+        self.publish(msg, 1 if retain else 0, None, topic)
 
     def local_subscribe(self, filt, callback, qos):
         if not isinstance(filt, str) or not valid_filter(filt) or filt[:7] == "$share/":
@@ -3316,7 +3318,7 @@ class Engine:
         if msg[_M_OWNEXP] and msg[_M_EXP]:
             props["message_expiry_interval"] = int(msg[_M_EXP] - self.now_s + 0.999)
         try:
-            cb(msg[_M_TOPIC], msg[_M_PAYLOAD], bool(retain), props)
+            cb(msg[_M_TB].decode(), msg[_M_PAYLOAD], bool(retain), props)
         except Exception as err:
             self.app_errors += 1
             self.log("error", "local subscriber %s raised %r", sess.cid, err)
@@ -3386,7 +3388,8 @@ class Engine:
             for w in list(self.wills):
                 if w[_W_AT] <= now:
                     self.wills.remove(w)
-                    self.publish(w[_W_MSG], w[_W_RETAIN], None)
+                    m = w[_W_MSG]
+                    self.publish(m, w[_W_RETAIN], None, m[_M_TB].decode())
         for sess in list(self.sessions.values()):
             if sess.conn is None and sess.expiry != 0xFFFFFFFF and now - sess.gone >= sess.expiry:
                 self.end_session(sess)
@@ -3433,7 +3436,7 @@ class Engine:
                 gc.collect()  # a calm point all the same
             return
         for m in self.sys_msgs():
-            self.publish(m, 1, None)
+            self.publish(m, 1, None, m[_M_TB].decode())
 
     def clients_list(self):
         """One line per connected client: "client id address user", at most

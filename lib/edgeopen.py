@@ -41,13 +41,12 @@ _CHUNK = const(512)
 # where a record may start, by its type byte (_resync)
 _KNOWN = (bytes((T_PUT,)), bytes((T_DEL,)), bytes((T_CLOCK,)))
 # message slots: edgebroker's _M_* (a test pins them)
-_M_TOPIC = const(0)
-_M_TB = const(1)
-_M_PAYLOAD = const(2)
-_M_QOS = const(3)
-_M_PROPS = const(4)
-_M_EXP = const(5)
-_M_OWNEXP = const(6)
+_M_TB = const(0)
+_M_PAYLOAD = const(1)
+_M_QOS = const(2)
+_M_PROPS = const(3)
+_M_EXP = const(4)
+_M_OWNEXP = const(5)
 
 
 def header_kind(head, size):
@@ -370,7 +369,7 @@ def _load_all(self, f, size):
                 # (measured: MemoryError for 3 KB with 1.1 MB free).
                 # "disc_only" keeps no object per message: no need.
                 _collect()
-            p, topic = x
+            p = x[0]  # (x[1]: its topic as a str, which replay() checked decodes)
             tb, qos, flags, rem, stime, wall, props, payload = p
             if stime > t0:
                 t0 = stime
@@ -382,8 +381,7 @@ def _load_all(self, f, size):
             m = None
             if msgs is not None:
                 # the deadline waits for the end of the scan (T is not known yet)
-                m = (  # slots _M_TOPIC .. _M_OWNEXP
-                    topic,
+                m = (  # slots _M_TB .. _M_OWNEXP
                     tb,
                     payload,
                     qos,
@@ -445,7 +443,6 @@ def _load_all(self, f, size):
                 exp = d if d else -1
                 own = m[_M_OWNEXP]
                 msgs[q] = (
-                    m[_M_TOPIC],
                     m[_M_TB],
                     m[_M_PAYLOAD],
                     m[_M_QOS],

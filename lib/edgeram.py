@@ -9,8 +9,8 @@
 from edgebroker import _new_key, _topic_key, const, msg_size, topic_matches
 
 # the message tuple's slots (edgebroker, section 6)
-_M_TOPIC = const(0)
-_M_EXP = const(5)
+_M_TB = const(0)
+_M_EXP = const(4)
 _PARTS = const(32)  # slot partitions, chosen by a hash of the first level
 _CH = const(32)  # slots per chunk, chunks per page
 
@@ -65,8 +65,9 @@ class RamStore:
         d = self.index[k % self.nb]
         v = None if d is None else d.get(k)
         if v is not None:
+            tb = topic.encode()
             for loc in v if type(v) is list else (v,):
-                if self._msg(loc)[_M_TOPIC] == topic:
+                if self._msg(loc)[_M_TB] == tb:
                     return d, k, loc
         return d, k, None
 
@@ -174,7 +175,7 @@ class RamStore:
                 continue
             m = ch[i & 31]
             i += 1
-            if type(m) is tuple and topic_matches(flevels, m[_M_TOPIC]):
+            if type(m) is tuple and topic_matches(flevels, m[_M_TB].decode()):
                 yield m
 
     def _slots(self, pn):
@@ -212,9 +213,11 @@ class RamStore:
             except StopIteration:
                 self._sweep = None
                 break
-            if m[_M_EXP] and m[_M_EXP] <= now and self.get(m[_M_TOPIC]) is m:
-                self.delete(m[_M_TOPIC])
-                removed += 1
+            if m[_M_EXP] and m[_M_EXP] <= now:
+                topic = m[_M_TB].decode()
+                if self.get(topic) is m:
+                    self.delete(topic)
+                    removed += 1
         return removed
 
     def _sweeper(self):

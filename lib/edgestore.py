@@ -353,13 +353,12 @@ EV_TORN = const(-2)
 
 # A message, as the broker hands it over and takes it back: a tuple whose
 # slots are edgebroker's _M_* (the same names and numbers; a test pins them).
-_M_TOPIC = const(0)  # str
-_M_TB = const(1)  # the topic's UTF-8 bytes
-_M_PAYLOAD = const(2)
-_M_QOS = const(3)
-_M_PROPS = const(4)  # encoded properties forwarded with it
-_M_EXP = const(5)  # expiry, broker seconds (0: none)
-_M_OWNEXP = const(6)  # 1: the publisher set Message Expiry Interval
+_M_TB = const(0)  # the topic's UTF-8 bytes (no str: edgebroker, section 6)
+_M_PAYLOAD = const(1)
+_M_QOS = const(2)
+_M_PROPS = const(3)  # encoded properties forwarded with it
+_M_EXP = const(4)  # expiry, broker seconds (0: none)
+_M_OWNEXP = const(5)  # 1: the publisher set Message Expiry Interval
 
 _HDR = const(8)
 _OK = const(0)  # scan() statuses
@@ -532,9 +531,10 @@ class FlashStore:
     written to flash, compaction included), compactions, dead_bytes,
     file_bytes, read_only and degraded (below).
 
-    A message is the broker's tuple: (topic str, topic bytes, payload bytes,
-    qos, forwarded 5.0 property bytes, expiry deadline in `clock` seconds or
-    0, own-expiry flag 0/1). `clock` must be the broker's clock.
+    A message is the broker's tuple: (topic bytes, payload bytes, qos,
+    forwarded 5.0 property bytes, expiry deadline in `clock` seconds or 0,
+    own-expiry flag 0/1); get(), put() and delete() take the topic as a
+    str. `clock` must be the broker's clock.
 
     mode: "disc" (RAM copy of every message + file) or "disc_only" (RAM
     holds only the index). capacity: max_retained_messages (0 = no limit;
@@ -1147,7 +1147,7 @@ class FlashStore:
         for p, tb in self._walk():
             if msgs is not None:
                 m = msgs[p]
-                if _matches(flevels, m[_M_TOPIC]):
+                if _matches(flevels, m[_M_TB].decode()):
                     yield m
                 continue
             try:
@@ -1179,12 +1179,7 @@ class FlashStore:
         if q is None or r[0][0] != T_PUT:
             return None
         tb, qos, flags, rem, st, wall, props, payload = q
-        try:
-            topic = str(tb, "utf-8")
-        except UnicodeError:
-            return None
-        return (  # a message: slots _M_TOPIC .. _M_OWNEXP
-            topic,
+        return (  # a message: slots _M_TB .. _M_OWNEXP
             tb,
             payload,
             qos,

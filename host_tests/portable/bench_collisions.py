@@ -34,7 +34,7 @@ def run(topics, mode, d):
     t0 = _now()
     st = es.FlashStore(p, mode, capacity=len(topics))
     for i, t in enumerate(topics):
-        st.put(t, (t, t.encode(), b"v", 1, b"", 0, 0))
+        st.put(t, (t.encode(), b"v", 1, b"", 0, 0))
         if i % 64 == 63:
             st.commit()
     st.close()

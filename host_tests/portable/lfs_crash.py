@@ -92,7 +92,7 @@ class Clock:
 
 
 def msg(topic, payload, deadline=0):
-    return (topic, topic.encode(), payload, 1, b"", deadline, 1 if deadline else 0)
+    return (topic.encode(), payload, 1, b"", deadline, 1 if deadline else 0)
 
 
 def script():
@@ -182,9 +182,9 @@ def run(mode, ops, dev):
 def contents(st):
     out = {}
     for m in st.messages():
-        if m[0] in out:
-            raise Cut("yielded twice: " + m[0])
-        out[m[0]] = m[2]
+        if m[0].decode() in out:
+            raise Cut("yielded twice: " + m[0].decode())
+        out[m[0].decode()] = m[1]
     return out
 
 

@@ -127,7 +127,7 @@ class Api:
         st = edgestore.FlashStore(self.data_dir + "/retained.ebrs", "disc", 100)
         try:
             m = st.get(topic)
-            return None if m is None else hexs(m[2])
+            return None if m is None else hexs(m[1])
         finally:
             st.close()
 

@@ -68,7 +68,7 @@ def _write(p, data):
 
 
 def M(topic, payload, qos=1, props=b"", deadline=0, own=0):
-    return (topic, topic.encode(), payload, qos, props, deadline, own)
+    return (topic.encode(), payload, qos, props, deadline, own)
 
 
 def _open(d, mode, clock=None, **kw):
@@ -81,8 +81,8 @@ def _contents(st):
     # topic -> (payload, qos, props, deadline, own) of every message
     out = {}
     for m in st.messages():
-        assert m[0] not in out, "yielded twice: " + m[0]
-        out[m[0]] = (m[2], m[3], m[4], m[5], m[6])
+        assert m[0].decode() not in out, "yielded twice: " + m[0].decode()
+        out[m[0].decode()] = (m[1], m[2], m[3], m[4], m[5])
     return out
 
 
@@ -170,11 +170,11 @@ def test_put_get_replace_delete_S1_S3():
         assert st.get("a/b") is None
         st.put("a/b", M("a/b", b"1"))
         st.put("a/c", M("a/c", b"22", qos=2, props=b"\x01\x01"))
-        assert st.get("a/b")[2] == b"1" and st.count == 2
+        assert st.get("a/b")[1] == b"1" and st.count == 2
         st.put("a/b", M("a/b", b"333", qos=0))  # S1: one per topic, replaced
         m = st.get("a/b")
-        assert m[0] == "a/b" and m[1] == b"a/b" and m[2] == b"333" and m[3] == 0
-        assert st.get("a/c")[4] == b"\x01\x01"
+        assert m[0].decode() == "a/b" and m[0] == b"a/b" and m[1] == b"333" and m[2] == 0
+        assert st.get("a/c")[3] == b"\x01\x01"
         assert st.count == 2 and st.nbytes == (3 + 3) + (3 + 2 + 2)
         assert st.delete("a/b") is True      # S3: deletes
         assert st.delete("a/b") is False
@@ -215,7 +215,7 @@ def test_match_wildcards_and_dollar_topics_D1_D6_MQTT_4_7_2_1():
             st.put(t, M(t, t.encode()))
 
         def got(f):
-            return sorted(m[0] for m in st.match(f.split("/")))
+            return sorted(m[0].decode() for m in st.match(f.split("/")))
         assert got("a/+") == ["a/b", "a/c"]
         assert got("a/#") == ["a", "a/b", "a/b/c", "a/c"]  # 'a/#' matches 'a'
         assert got("+/b") == ["a/b", "x/b"]
@@ -246,7 +246,7 @@ def test_wildcard_match_reads_topics_then_only_matching_records():
                 st.put(t, M(t, payload))
         st.commit()
         fs.reads = fs.read_bytes = 0
-        got = sorted(m[0] for m in st.match(["g7", "+"]))
+        got = sorted(m[0].decode() for m in st.match(["g7", "+"]))
         assert got == sorted("g7/%d" % i for i in range(25))
         assert fs.reads <= 2 * 500 + 2 * 25, fs.reads
         # payloads of the 475 other records are never read
@@ -269,14 +269,14 @@ def test_hash_collisions_are_told_apart():
         st._th = lambda tb: 0x1234567
         st.put(a, M(a, b"A"))
         st.put(b, M(b, b"B"))
-        assert st.get(a)[2] == b"A" and st.get(b)[2] == b"B" and st.count == 2
+        assert st.get(a)[1] == b"A" and st.get(b)[1] == b"B" and st.count == 2
         st.put(b, M(b, b"BB"))
-        assert st.get(a)[2] == b"A" and st.get(b)[2] == b"BB" and st.count == 2
+        assert st.get(a)[1] == b"A" and st.get(b)[1] == b"BB" and st.count == 2
         st.commit()
         st.close()
         st = _open(d, mode)
-        assert st.get(a)[2] == b"A" and st.get(b)[2] == b"BB"
-        assert st.delete(a) and st.get(a) is None and st.get(b)[2] == b"BB"
+        assert st.get(a)[1] == b"A" and st.get(b)[1] == b"BB"
+        assert st.delete(a) and st.get(a) is None and st.get(b)[1] == b"BB"
         st.close()
     _each_mode(run)
 
@@ -296,7 +296,7 @@ def test_iterator_safe_under_puts_deletes_and_compaction():
         seen = {}
         n = 0
         for m in it:
-            seen[m[0]] = seen.get(m[0], 0) + 1
+            seen[m[0].decode()] = seen.get(m[0].decode(), 0) + 1
             n += 1
             j = n * 7 % 300
             t = "k/%d" % j
@@ -367,7 +367,7 @@ def test_uncommitted_changes_reach_flash_at_close_and_expire():
         st.put("a", M("a", b"1"))
         st.close()
         st = _open(d, mode)
-        assert st.get("a")[2] == b"1"
+        assert st.get("a")[1] == b"1"
         st.put("b", M("b", b"2"))
         st.expire(0, 8)  # a tick makes pending writes durable
         assert not st._wn and not st._unsynced
@@ -417,7 +417,7 @@ def test_expire_removes_passed_deadlines_with_bounded_work_E1():
             total += st.expire(110, 5)
         assert st.count == 10
         want = sorted("e/%d" % i for i in range(0, 20, 2))
-        assert sorted(m[0] for m in st.match(["e", "+"])) == want
+        assert sorted(m[0].decode() for m in st.match(["e", "+"])) == want
         st.close()
     _each_mode(run)
 
@@ -439,15 +439,15 @@ def test_expiry_across_restart_without_wallclock_E4():
         c.now = 5              # a new run: the broker clock starts again
         st = _open(d, mode, clock=c)
         a, b = st.get("a"), st.get("b")
-        assert a[5] == 5 + 10 and a[6] == 1    # 100 - 90 left
-        assert b[5] == 5 + 410 and b[6] == 0
-        assert st.get("c")[5] == 0
+        assert a[4] == 5 + 10 and a[5] == 1    # 100 - 90 left
+        assert b[4] == 5 + 410 and b[5] == 0
+        assert st.get("c")[4] == 0
         c.now = 15
         st.close()             # 10 more seconds of runtime (total 100)
         c.now = 0
         st = _open(d, mode, clock=c)
         assert st.get("a") is None, "lived past its lifetime"
-        assert st.get("b")[5] == 400
+        assert st.get("b")[4] == 400
         assert st.open_stats["expired"] == 1
         st.close()
     _each_mode(run)
@@ -468,7 +468,7 @@ def test_expiry_after_power_cut_is_late_by_at_most_the_unrecorded_time_E4():
         st._f = None
         c.now = 0
         st = _open(d, mode, clock=c)
-        assert st.get("a")[5] == 20  # 200 - 180: exact, the cut fell on a marker
+        assert st.get("a")[4] == 20  # 200 - 180: exact, the cut fell on a marker
         st.close()
     _each_mode(run)
 
@@ -486,14 +486,14 @@ def test_expiry_across_restart_with_wallclock_E4():
         c.wall = 1700003000
         st = _open(d, mode, clock=c)
         assert st.get("a") is None and st.open_stats["expired"] == 1
-        assert st.get("b")[5] == 7 + 2000
+        assert st.get("b")[4] == 7 + 2000
         st.close()
         # a clock set wrongly into the past cannot extend a lifetime: the
         # runtime estimate is a floor on the time that passed
         c.now = 0
         c.wall = 1600000000
         st = _open(d, mode, clock=c)
-        assert st.get("b")[5] == 5000
+        assert st.get("b")[4] == 5000
         st.close()
     _each_mode(run)
 
@@ -504,7 +504,7 @@ def test_expiry_deadlines_round_down_never_late_E2():
         st = _open(d, mode, clock=c)
         st.put("a", M("a", b"1", deadline=30.5, own=1))
         m = st.get("a")
-        assert 29.5 < m[5] <= 30.5
+        assert 29.5 < m[4] <= 30.5
         st.close()
     _each_mode(run)
 
@@ -656,7 +656,7 @@ def test_compaction_reclaims_expired_messages():
         st.put("stay", M("stay", b"y"))
         c.now = 20
         st.compact()
-        assert st.count == 1 and st.get("gone") is None and st.get("stay")[2] == b"y"
+        assert st.count == 1 and st.get("gone") is None and st.get("stay")[1] == b"y"
         assert st.dead_bytes == es.CLOCK_SIZE
         st.close()
     _each_mode(run)
@@ -688,7 +688,7 @@ def test_unlimited_capacity_grows_in_chunks():
             t = "u/%d" % i
             st.put(t, M(t, b"%d" % i))
         assert st.count == 1500 and len(st._ix) >= 1500
-        assert st.get("u/777")[2] == b"777"
+        assert st.get("u/777")[1] == b"777"
         st.commit()
         st.close()
         # a board opens one store at boot; here the first one's messages
@@ -696,7 +696,7 @@ def test_unlimited_capacity_grows_in_chunks():
         st = None
         gc.collect()
         st = _open(d, mode, capacity=10)  # the file holds more than capacity: grows
-        assert st.count == 1500 and st.get("u/1499")[2] == b"1499"
+        assert st.count == 1500 and st.get("u/1499")[1] == b"1499"
         st.close()
     _each_mode(run)
 
@@ -731,7 +731,7 @@ def test_disc_only_heap_per_retained_message_at_most_4_bytes_plus_fixed():
             st = es.FlashStore(d + "/h%d.ebrs" % n, "disc_only", capacity=n, clock=Clock())
             for i in range(n):
                 t = "sensors/%d/temperature" % i
-                st.put(t, (t, t.encode(), b"x" * 64, 1, b"", 0, 0))
+                st.put(t, (t.encode(), b"x" * 64, 1, b"", 0, 0))
                 if i % 64 == 0:
                     st.commit()
             st.commit()
@@ -767,11 +767,11 @@ def _golden(name, mode, wall=None):
     st = es.FlashStore(p, mode, capacity=16, clock=c, wallclock=c.wallclock)
     got = {}
     for m in st.messages():
-        got[m[0]] = (m[2], m[3], m[4], m[6])
+        got[m[0].decode()] = (m[1], m[2], m[3], m[5])
     deadline = None
     m = st.get("alerts/door")
     if m is not None:
-        deadline = m[5]
+        deadline = m[4]
     o = st.open_stats
     st.close()
     return d, got, o, deadline
@@ -969,7 +969,7 @@ def _messages(n, size=40, prefix="m/"):
 def _payloads(st):
     out = {}
     for m in st.messages():
-        out[m[0]] = m[2]
+        out[m[0].decode()] = m[1]
     return out
 
 
@@ -1159,8 +1159,8 @@ def test_read_only_data_dir_serves_from_ram_loudly():
         want["n/1"] = b"new"
         want["m/1"] = b"changed"
         del want["m/2"]
-        assert _payloads(st) == want and st.get("n/1")[2] == b"new" and st.count == 5
-        assert sorted(m[0] for m in st.match(["m", "+"])) == ["m/0", "m/1", "m/3", "m/4"]
+        assert _payloads(st) == want and st.get("n/1")[1] == b"new" and st.count == 5
+        assert sorted(m[0].decode() for m in st.match(["m", "+"])) == ["m/0", "m/1", "m/3", "m/4"]
         st.close()
         assert _read(p) == before
         # no file at all on a read-only filesystem: an empty RAM store
@@ -1168,7 +1168,7 @@ def test_read_only_data_dir_serves_from_ram_loudly():
         st = _open(d, mode, fs=ReadOnlyFs())
         assert st.read_only is True and st.count == 0
         st.put("a", M("a", b"1"))
-        assert st.get("a")[2] == b"1"
+        assert st.get("a")[1] == b"1"
         st.commit()
         st.close()
         assert not _exists(p)
@@ -1200,7 +1200,7 @@ def test_full_disk_rolls_back_stays_readable_and_recovers():
         assert failed is not None and failed.args[0] == 28
         assert _payloads(st) == committed and st.count == len(committed)
         for t in committed:
-            assert st.get(t)[2] == committed[t]
+            assert st.get(t)[1] == committed[t]
         for rnd in range(3):  # while full: writes never raise, commits refuse
             st.put("f/new%d" % rnd, M("f/new%d" % rnd, b"n" * 200))
             assert st.delete("f/1") is True
@@ -1339,7 +1339,7 @@ def test_colliding_topics_cost_like_ordinary_ones_and_after_a_restart():
         assert st.count == n and fs.reads <= 6 * n, fs.reads
         fs.reads = 0
         for t in ts:
-            assert st.get(t)[0] == t
+            assert st.get(t)[0].decode() == t
         assert fs.reads <= 3 * n, fs.reads
         # the keyed hash spreads them: at most a few equal hash words
         hs = set(st._th(t.encode()) for t in ts)

@@ -150,7 +150,7 @@ def _store(path: Path, n: int, payload: bytes = b"v" * 40) -> None:
     st = es.FlashStore(str(path), "disc_only", capacity=n)
     for i in range(n):
         t = f"sensor/{i}/value"
-        st.put(t, (t, t.encode(), payload, 1, b"", 0, 0))
+        st.put(t, (t.encode(), payload, 1, b"", 0, 0))
     st.close()
 
 
@@ -168,7 +168,7 @@ def test_inspect_and_open_agree_after_a_bad_length(tmp_path: Path) -> None:
     copy = tmp_path / "copy.ebrs"
     copy.write_bytes(bytes(raw))
     st = es.FlashStore(str(copy), "disc_only", capacity=64)
-    opened = sorted(m[0] for m in st.messages())
+    opened = sorted(m[0].decode() for m in st.messages())
     st.close()
     assert sorted(e["topic"] for e in rep["live"]) == opened
     assert len(opened) == 49 and "sensor/0/value" not in opened

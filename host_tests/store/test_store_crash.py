@@ -125,7 +125,7 @@ class Clock:
 
 
 def msg(topic: str, payload: bytes, deadline: float = 0) -> tuple[Any, ...]:
-    return (topic, topic.encode(), payload, 1, b"", deadline, 1 if deadline else 0)
+    return (topic.encode(), payload, 1, b"", deadline, 1 if deadline else 0)
 
 
 def script() -> list[tuple[Any, ...]]:
@@ -203,8 +203,8 @@ def run(path: str, mode: str, ops: list[tuple[Any, ...]], fs: CutFs) -> tuple[in
 def contents(st: es.FlashStore) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for m in st.messages():
-        assert m[0] not in out
-        out[m[0]] = m[2]
+        assert m[0].decode() not in out
+        out[m[0].decode()] = m[1]
     return out
 
 

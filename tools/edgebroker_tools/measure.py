@@ -669,8 +669,8 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
             costs[key] = serving[key]
         topic = len(QUEUED_TOPIC)
         costs["message_overhead"] = max(
-            serving["per_queued_message"] - PAYLOAD - 2 * topic,
-            serving["per_inflight_message"] - PAYLOAD - 2 * topic,
+            serving["per_queued_message"] - PAYLOAD - topic,
+            serving["per_inflight_message"] - PAYLOAD - topic,
         )
 
         retained: dict[str, dict[str, int]] = {}
@@ -702,7 +702,7 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
                     f"names ({name_bytes} B), not the pools"
                 )
             if mode != "disc_only":
-                entry["overhead"] = per - PAYLOAD - 2 * len(RETAINED_TOPIC.format(0))
+                entry["overhead"] = per - PAYLOAD - len(RETAINED_TOPIC.format(0))
             retained[mode] = entry
         costs["retained"] = retained
 
@@ -758,12 +758,12 @@ def measure(quick: bool = False, log: bool = True) -> dict[str, Any]:
             "(conditions: topic and payload sizes)",
             "per_queued_message_256": "the same with a 256-byte payload",
             "per_inflight_message": "a QoS 1 message sent and not acknowledged",
-            "message_overhead": "per queued/inflight message beyond its payload and two "
-            "copies of its topic (str and bytes), the larger of the two",
+            "message_overhead": "per queued/inflight message beyond its payload and its "
+            "topic (bytes), the larger of the two",
             "retained": "per store type: per_message (slope between two full stores of "
             "different capacity, index included: 256 and 1,024 messages, rounded up; "
             "disc_only 256 and 4,096, rounded to the nearest byte), fixed, overhead "
-            "(beyond payload and two topic copies; ram and disc keep the message in RAM)",
+            "(beyond payload and topic; ram and disc keep the message in RAM)",
             "leak_after_disconnect": "heap still held after the idle clients left: the "
             "high-water size of the broker's dicts and poll table (the same after every "
             "round of connecting and leaving, not a leak)",

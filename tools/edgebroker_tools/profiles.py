@@ -432,9 +432,9 @@ disc_only index entry (an array('I') word, 4 bytes on every port) are not
 scaled. `edgebroker emulate` runs the 64-bit port
 with heap_bytes scaled the other way (x1.54) and tests it.
 
-    message   = message_overhead + typical_payload_bytes + 2 x typical_topic_bytes
+    message   = message_overhead + typical_payload_bytes + typical_topic_bytes
                 (a queued or inflight QoS 1/2 message: the queue entry, the message
-                tuple, the payload, the topic as str and as bytes)
+                tuple, the payload, the topic's bytes)
     q         = max_queued, or 0 when max_queued_total > 0 (the queues are
                 counted once, below)
     client    = per_connection
@@ -452,7 +452,7 @@ with heap_bytes scaled the other way (x1.54) and tests it.
               + (max_inflight + q) x message
     queues    = min(max_queued_total, (max_clients + max_sessions) x max_queued)
                 x message                      (when max_queued_total > 0)
-    retained  = ram, disc:  store fixed + n x (overhead + max_topic_length)
+    retained  = ram, disc:  store fixed + n x overhead
                             + min(store_budget_bytes, n x (max_payload_size + max_topic_length))
                 disc_only:  store fixed + n x per_message (the index only, preallocated
                             for n at open; x2 when max_retained_messages is 0 or
@@ -706,7 +706,7 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
     msg = (
         _cost(costs, "message_overhead")
         + int(cfg["typical_payload_bytes"])
-        + 2 * int(cfg["typical_topic_bytes"])
+        + int(cfg["typical_topic_bytes"])
     )
     subs = int(cfg["max_subscriptions"]) * _cost(costs, "per_subscription")
     total = int(cfg["max_queued_total"])
@@ -765,7 +765,7 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
         budget = int(cfg["store_budget_bytes"])
         if budget:
             data = min(data, budget)
-        total = fixed + n * (over + topic) + data
+        total = fixed + n * over + data
         items.append(
             HeapItem("retained", total, f"{n} messages in RAM ({store}): {data} data bytes")
         )

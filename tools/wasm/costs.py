@@ -262,12 +262,13 @@ def steps(out):
             e = store = None
         out["retained.%s.per_message" % kind] = round((used[4 * n] - used[n]) / (3 * n), 1)
     # The overheads: what a message costs beyond its payload and its topic
-    # (as str and as bytes), the part made of pointers and heap blocks. The
-    # payload and topic bytes are the same on every port, so a total's
-    # 32/64 ratio would understate how much the overhead itself shrinks.
-    body = 64 + 2 * len(QTOPIC)
+    # (its bytes: a message keeps no str), the part made of pointers and
+    # heap blocks. The payload and topic bytes are the same on every port,
+    # so a total's 32/64 ratio would understate how much the overhead
+    # itself shrinks.
+    body = 64 + len(QTOPIC)
     out["message_overhead"] = max(out["per_queued_message"], out["per_inflight_message"]) - body
-    rbody = 64 + 2 * len(RTOPIC % 0)
+    rbody = 64 + len(RTOPIC % 0)
     out["retained.ram.overhead"] = round(out["retained.ram.per_message"] - rbody, 1)
     print("COSTS " + json.dumps(out))
 

@@ -26,7 +26,7 @@ for i in range(P["live"] + P["dead"]):
     dl = clock() + 3600 if k % 10 == 0 else 0
     st.put(
         t,
-        (t, t.encode(), b"p" * 24 + b"%08d" % i, 1, ct if k % 4 == 0 else b"", dl, 1 if dl else 0),
+        (t.encode(), b"p" * 24 + b"%08d" % i, 1, ct if k % 4 == 0 else b"", dl, 1 if dl else 0),
     )
     if i % 256 == 255:
         st.commit()

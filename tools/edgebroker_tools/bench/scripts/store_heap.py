@@ -36,7 +36,7 @@ def full(mode, n):
         st = edgestore.FlashStore(path, mode=mode, capacity=n)
     for i in range(n):
         t = "bench/heap/%02d/%05d" % (i % 64, i)
-        st.put(t, (t, t.encode(), b"m" * 56 + b"%08d" % i, 1, b"", 0, 0))
+        st.put(t, (t.encode(), b"m" * 56 + b"%08d" % i, 1, b"", 0, 0))
         if i % 16 == 15:
             st.commit()
     st.commit()

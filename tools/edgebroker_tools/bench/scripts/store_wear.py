@@ -52,7 +52,7 @@ payload_bytes = 0
 for i in range(P["updates"]):
     k = i % P["topics"]
     payload = pad + b"%08d" % i
-    st.put(topics[k], (topics[k], tbs[k], payload, 1, b"", 0, 0))
+    st.put(topics[k], (tbs[k], payload, 1, b"", 0, 0))
     record += edgestore.PUT_OVERHEAD + len(tbs[k]) + len(payload)
     payload_bytes += len(payload)
     if i % P["group"] == P["group"] - 1:
