@@ -309,7 +309,7 @@ def scenario_store_heap(b: Bench) -> None:
         f"(64-bit) before the store is made and after it is full, for {count // 2:,} and "
         f"{count:,} retained messages: the slope is the cost of a message, the rest at "
         f"{count:,} the store's fixed part; each message made as the broker makes one (its "
-        f"own topic str and bytes, its own 64-byte payload), capacity = the message count "
+        f"topic's bytes, no str, its own 64-byte payload), capacity = the message count "
         f"(max_retained_messages); ram = edgeram.RamStore, disc/disc_only = "
         f"edgestore.FlashStore. Run with -X heapsize={HEAP_SCRIPT_HEAP} so that ram and "
         f"disc fit."

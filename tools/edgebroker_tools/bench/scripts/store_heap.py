@@ -3,7 +3,7 @@ allocated (after gc.collect()) before the store is made and after it is
 full, for a store of count / 2 and one of `count` messages: the slope
 between the two is the cost of a message, what is left at `count` the
 store's fixed part. Every message is made the way the broker makes one
-from a PUBLISH (its own topic str and bytes, its own 64-byte payload);
+from a PUBLISH (its topic's bytes, its own 64-byte payload; no str);
 capacity = the message count, as max_retained_messages would be.
 
 Run as `<interpreter> store_heap.py <params.json>`; prints one line
@@ -35,8 +35,8 @@ def full(mode, n):
     else:
         st = edgestore.FlashStore(path, mode=mode, capacity=n)
     for i in range(n):
-        t = "bench/heap/%02d/%05d" % (i % 64, i)
-        st.put(t, (t.encode(), b"m" * 56 + b"%08d" % i, 1, b"", 0, 0))
+        tb = b"bench/heap/%02d/%05d" % (i % 64, i)
+        st.put(tb.decode(), (tb, b"m" * 56 + b"%08d" % i, 1, b"", 0, 0))
         if i % 16 == 15:
             st.commit()
     st.commit()
