@@ -4407,6 +4407,17 @@ def main(argv):
     except OSError as e:
         why = "address in use" if e.args and e.args[0] in _EADDRINUSE else repr(e)
         _die("cannot listen on %s:%d: %s" % (bind, port, why))
+    except MemoryError as e:
+        # The heap holds less than the profile needs to start (the store's
+        # index, the receive buffer, the modules): one line that says so,
+        # not a traceback. What start() made is garbage now.
+        gc.collect()
+        print(
+            "edgebroker: error: out of heap while starting (%s): the heap is smaller "
+            "than the profile needs; `edgebroker config check` counts it" % (e,),
+            file=sys.stderr,
+        )
+        sys.exit(3)
     profile = None  # the board facts in it are the tools' business
     _install_signals()
     if stop_on_eof:

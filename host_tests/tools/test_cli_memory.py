@@ -102,6 +102,34 @@ def test_a_memory_error_out_of_the_server_loop_fails_loudly(interp, tmp_path, se
         "edgebroker: error: out of heap, the server stopped (heap_reserve)", r.stderr
 
 
+def test_a_heap_too_small_to_start_is_one_line(interp, tmp_path):
+    """A heap that cannot hold what the profile needs at start (here 100 KB
+    for the host profile, the board build of the broker on MicroPython; a
+    store that cannot be made under CPython, which has no heap limit) is
+    one line on stderr and exit status 3, not a traceback."""
+    if interp == "mosquitto":
+        pytest.skip("edgebroker's own exit")
+    args = ["edgebroker.py", "--board", "boards/host.json", "--port", str(_free_port()),
+            "--bind", "127.0.0.1", "--data-dir", str(tmp_path / "d"), "--stop-on-eof"]
+    if interp == "cpython":
+        exe = [sys.executable]
+        code = ("import sys\nsys.path.insert(0, %r)\nimport edgebroker\n"
+                "def boom(*a, **k):\n    raise MemoryError('test')\n"
+                "edgebroker.open_store = boom\nedgebroker.main(%r)\n") % (str(REPO / "lib"), args)
+    else:
+        mpy = Path(mpy_build(tmp_path / "mpy")).parent
+        exe = [str(Path(sys.executable).parent / "micropython"), "-X", "heapsize=100k"]
+        code = ("import sys\nsys.path.insert(0, %r)\nimport edgebroker\nedgebroker.main(%r)\n"
+                % (str(mpy), args))
+    r = subprocess.run(exe + ["-c", code], cwd=str(REPO), capture_output=True, text=True,
+                       timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 3, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgebroker: error: out of heap while starting ("), \
+        r.stderr
+    assert "`edgebroker config check` counts it" in lines[0]
+
+
 def test_cli_run_rejects_bad_input(tmp_path):
     """Bad input gets a clear one-line answer naming what is wrong."""
     r = subprocess.run([str(EDGEBROKER), "run", "--board", str(tmp_path / "nope.json")],
