@@ -1941,8 +1941,7 @@ class Bridge:
         self.last_state = self.broker.clock()
         eng = self.eng
         eng.now_s = self.last_state
-        m = self.state_msg()
-        eng.publish(m, 1, None, m[0].decode())
+        eng.publish(self.state_msg(), 1, None)
         self.broker._kick()
 
 

@@ -2178,8 +2178,7 @@ class Engine:
         for w in self.wills:
             if w[_W_SESS] is sess:
                 self.wills.remove(w)
-                m = w[_W_MSG]
-                self.publish(m, w[_W_RETAIN], None, m[_M_TB].decode())
+                self.publish(w[_W_MSG], w[_W_RETAIN], None)
                 break
 
     def cancel_will(self, sess):
@@ -2329,10 +2328,14 @@ class Engine:
             raise MqttError(_RC_PROTOCOL, "unknown Topic Alias")
         return t
 
-    def publish(self, msg, retain, origin, topic):
-        """Stores (if retained) and routes one message, whose topic is
-        `topic` (the str of msg's topic bytes). Returns True when an
-        acknowledgement must wait for the store's commit (durability)."""
+    def publish(self, msg, retain, origin, topic=None):
+        """Stores (if retained) and routes one message. `topic` is the str
+        of its topic bytes when the caller has it (a PUBLISH, a local
+        publish); a will or a $SYS message has it decoded here. Returns True
+        when an acknowledgement must wait for the store's commit
+        (durability)."""
+        if topic is None:
+            topic = msg[_M_TB].decode()
         wait = False
         if retain:
             wait = self.retain(msg, topic)
@@ -3023,7 +3026,7 @@ class Engine:
                 # when the session ends, whichever comes first
                 self.wills.append([self.now_s + min(delay, sess.expiry), sess, msg, retain])
             else:
-                self.publish(msg, retain, None, msg[_M_TB].decode())
+                self.publish(msg, retain, None)
 
     # ------------------------------------------------- the server's side
     def open(self, io, now, peer=""):
@@ -3388,8 +3391,7 @@ class Engine:
             for w in list(self.wills):
                 if w[_W_AT] <= now:
                     self.wills.remove(w)
-                    m = w[_W_MSG]
-                    self.publish(m, w[_W_RETAIN], None, m[_M_TB].decode())
+                    self.publish(w[_W_MSG], w[_W_RETAIN], None)
         for sess in list(self.sessions.values()):
             if sess.conn is None and sess.expiry != 0xFFFFFFFF and now - sess.gone >= sess.expiry:
                 self.end_session(sess)
@@ -3436,7 +3438,7 @@ class Engine:
                 gc.collect()  # a calm point all the same
             return
         for m in self.sys_msgs():
-            self.publish(m, 1, None, m[_M_TB].decode())
+            self.publish(m, 1, None)
 
     def clients_list(self):
         """One line per connected client: "client id address user", at most
@@ -4307,9 +4309,11 @@ def _stamp():
     return "%04d-%02d-%02d %02d:%02d:%02d" % t[:6]
 
 
-def _die(text):
-    print("edgebroker: error: %s" % text, file=sys.stderr)
-    sys.exit(2)
+def _die(text, status=2):
+    try:
+        print("edgebroker: error: %s" % text, file=sys.stderr)
+    finally:
+        sys.exit(status)  # (also when the heap is too short to print)
 
 
 def main(argv):
@@ -4412,12 +4416,11 @@ def main(argv):
         # index, the receive buffer, the modules): one line that says so,
         # not a traceback. What start() made is garbage now.
         gc.collect()
-        print(
-            "edgebroker: error: out of heap while starting (%s): the heap is smaller "
-            "than the profile needs; `edgebroker config check` counts it" % (e,),
-            file=sys.stderr,
+        _die(
+            "out of heap while starting (%s): the heap is smaller than the profile "
+            "needs; `edgebroker config check` counts it" % (e,),
+            3,
         )
-        sys.exit(3)
     profile = None  # the board facts in it are the tools' business
     _install_signals()
     if stop_on_eof:
@@ -4448,13 +4451,7 @@ def main(argv):
             # restarts it; what was acknowledged is on flash).
             broker = None
             gc.collect()
-            try:
-                print(
-                    "edgebroker: error: out of heap, the server stopped (heap_reserve)",
-                    file=sys.stderr,
-                )
-            finally:
-                sys.exit(3)
+            _die("out of heap, the server stopped (heap_reserve)", 3)
         # The unix port raises KeyboardInterrupt from its signal handler; one
         # that lands inside a garbage collection leaves the heap locked, and
         # shutdown cannot allocate. What was acknowledged is on flash already
