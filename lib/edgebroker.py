@@ -101,6 +101,14 @@ if hasattr(select.poll(), "ipoll"):
     def _poll(p, timeout):
         return p.ipoll(timeout)
 
+    _poller = select.poll
+
+    # >>> host only: the poll server's (a board runs the asyncio server)
+    def _unpoll(p):
+        pass  # a MicroPython poller holds no descriptor of its own
+
+    # <<< host only
+
     def _key(sock):
         return sock
 
@@ -137,9 +145,29 @@ if hasattr(select.poll(), "ipoll"):
         return 0  # its poll already sees bytes the TLS layer holds
 # >>> host only: CPython (a board build leaves these lines out)
 else:
+    if hasattr(select, "epoll"):
+        # Linux: epoll reports ready sockets in the order their bytes came
+        # (its ready list), poll in descriptor order. So a SUBSCRIBE that
+        # came before another client's PUBLISH is served first, as
+        # mosquitto (epoll) and the asyncio server serve it; under poll the
+        # older connection always went first (docs/contract.md). The
+        # POLL* masks are the EPOLL* values on Linux.
+        _poller = select.epoll
 
-    def _poll(p, timeout):
-        return p.poll(timeout)
+        def _poll(p, timeout):
+            return p.poll(timeout / 1000)
+
+        def _unpoll(p):
+            p.close()
+
+    else:
+        _poller = select.poll
+
+        def _poll(p, timeout):
+            return p.poll(timeout)
+
+        def _unpoll(p):
+            pass
 
     def _key(sock):
         return sock.fileno()
@@ -596,10 +624,10 @@ def _current():
 
 
 def _repoll(entries):
-    """A new select.poll for [read waiter, write waiter, socket] entries,
-    after a MemoryError left the old one with a half-made entry."""
+    """A new poller (_poller) for [read waiter, write waiter, socket]
+    entries, after a MemoryError left the old one with a half-made entry."""
     gc.collect()
-    p = select.poll()
+    p = _poller()
     for e in entries:
         p.register(
             e[2],
@@ -3928,7 +3956,9 @@ class Broker:
             ent.append((1, None, self.lsock))
         for c in self.socks.values():
             ent.append((1, 1 if c.wait else None, c.io))
+        old = self.poller
         self.poller = _repoll(ent)
+        _unpoll(old)
 
     def _mask(self, conn):
         # poll server: POLLIN unless flow control holds its input
@@ -3986,7 +4016,7 @@ class Broker:
         if self.extras:
             # a bridge's link is an asyncio task: only serve_async() runs it
             raise ValueError("bridges: need the asyncio server (serve_async; --server async)")
-        self.poller = select.poll()
+        self.poller = _poller()
         lsock = self.lsock
         self.poller.register(lsock, select.POLLIN)
         lkey = _key(lsock)
@@ -4215,6 +4245,9 @@ class Broker:
                 self.poller.unregister(self.lsock)
             except (OSError, ValueError, KeyError):
                 pass
+            if not self._async:
+                _unpoll(self.poller)
+                self.poller = None
         if self._async:
             _io_forget(self.lsock)
         self.lsock.close()
