@@ -1446,7 +1446,6 @@ class Conn:
     linger = False  # ended by a protocol error: drained before the close
     paused = False  # server state: reading paused while held
     closed = False
-    cid = ""
 
     def __init__(self, io, now, peer):
         self.io = io
@@ -1455,6 +1454,15 @@ class Conn:
         # its slot made now: Engine.close() then needs no heap to set it (a
         # connection is often closed because the heap ran out)
         self.closed = False
+
+    @property
+    def cid(self):
+        # the session's client id (logs, refusals): not a slot of its own,
+        # so an idle connection's attribute table holds 10 entries (11 with
+        # the asyncio server's reader task), not 11 (12), one heap block
+        # less a connection: MicroPython sizes that table 10, 12, 17, ...
+        s = self.sess
+        return "" if s is None else s.cid
 
     def out_len(self):
         o = self.out
@@ -2054,7 +2062,6 @@ class Engine:
         sess.conn = conn
         sess.gone = self.now_s  # its slot made now: close() then sets it without heap
         conn.sess = sess
-        conn.cid = cid
         self.pre -= 1
         self.connected += 1
         tell = False
@@ -4195,22 +4202,31 @@ class Broker:
             self._short("MemoryError serving %s", conn.cid)
             self.engine.close(conn, True)
         finally:
-            try:
-                if not conn.closed:
-                    self.engine.lost(conn, self.clock())
-            finally:
-                # the socket is released whatever the engine's part raised
-                # (a MemoryError while the heap is short): a board has ten
-                if conn.io is not None:
-                    w = conn.wait
-                    try:
-                        if w is not None:
-                            conn.wait = None
-                            _io_stop((w,), s)
-                    finally:
-                        _io_forget(s)
-                        self._close_io(conn)
-                self._wake.set()
+            self._reader_end(conn, s)
+
+    def _reader_end(self, conn, s):
+        # A function of its own, not the reader's finally: a coroutine keeps
+        # its frame, exception handlers included, in the heap for as long as
+        # the connection lives (64 B a connection on the unix port); a
+        # call's frame lives only during the call, and needs no heap when
+        # the heap is short (py/objfun.c: a small one, or one the heap has
+        # no room for, is made on the C stack).
+        try:
+            if not conn.closed:
+                self.engine.lost(conn, self.clock())
+        finally:
+            # the socket is released whatever the engine's part raised
+            # (a MemoryError while the heap is short): a board has ten
+            if conn.io is not None:
+                w = conn.wait
+                try:
+                    if w is not None:
+                        conn.wait = None
+                        _io_stop((w,), s)
+                finally:
+                    _io_forget(s)
+                    self._close_io(conn)
+            self._wake.set()
 
     async def _writer(self, conn):
         # only while the socket is full: the reader keeps reading meanwhile
