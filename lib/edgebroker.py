@@ -150,8 +150,8 @@ else:
         # (its ready list), poll in descriptor order. So a SUBSCRIBE that
         # came before another client's PUBLISH is served first, as
         # mosquitto (epoll) and the asyncio server serve it; under poll the
-        # older connection always went first (docs/contract.md). The
-        # POLL* masks are the EPOLL* values on Linux.
+        # older connection always went first (README, "Order"; docs/design.md,
+        # "Servers"). The POLL* masks are the EPOLL* values on Linux.
         _poller = select.epoll
 
         def _poll(p, timeout):
@@ -1457,10 +1457,11 @@ class Conn:
 
     @property
     def cid(self):
-        # the session's client id (logs, refusals): not a slot of its own,
-        # so an idle connection's attribute table holds 10 entries (11 with
-        # the asyncio server's reader task), not 11 (12), one heap block
-        # less a connection: MicroPython sizes that table 10, 12, 17, ...
+        # the session's client id (logs, refusals): not a slot of its own.
+        # MicroPython sizes an instance's attribute table 8, 10, 12, 17, ...
+        # entries and fills it before it grows: an idle 3.1.1 connection on
+        # the asyncio server (its reader task too) keeps 10 attributes, a
+        # table of 10, where 11 took a table of 12 (docs/boards.md).
         s = self.sess
         return "" if s is None else s.cid
 
@@ -4029,8 +4030,11 @@ class Broker:
         lkey = _key(lsock)
         skey = None
         if self.stop_stream is not None:
-            self.poller.register(self.stop_stream, select.POLLIN)
-            skey = _key(self.stop_stream)
+            try:
+                self.poller.register(self.stop_stream, select.POLLIN)
+                skey = _key(self.stop_stream)
+            except OSError:
+                self._stop_file()
         socks = self.socks
         eng = self.engine
         last = self.clock()
@@ -4165,11 +4169,23 @@ class Broker:
         self.stop()
         return True
 
+    def _stop_file(self):
+        # epoll (CPython's poll server and asyncio loop on Linux) refuses a
+        # regular file or /dev/null as standard input (EPERM). Reading one
+        # never waits, so it is read to its end now, which stops the broker
+        # as under poll, where such a stream is always readable.
+        while not self._stop_read():
+            pass
+
     async def _stop_watch(self):
         s = self.stop_stream
         try:
             while self.running:
-                await _io_wait(s, False)
+                try:
+                    await _io_wait(s, False)
+                except OSError:
+                    self._stop_file()
+                    break
                 if self._stop_read():
                     break
         finally:

@@ -78,9 +78,17 @@ def test_random_faults_lose_nothing(broker_factory, upstream, collector, proxy, 
                 # mosquitto being stopped (in the first runs of this test,
                 # mosquitto 2.0.11 acknowledged the last message before its
                 # SIGTERM within 2 ms of it, and its subscriber never got
-                # that message after the restart)
+                # that message after the restart). The cut does not end an
+                # exchange that was under way: a PUBREL or PUBLISH that
+                # reached mosquitto just before it is acknowledged as the
+                # link goes, so mosquitto gets a moment before its SIGTERM.
+                # (Once, in a full make test on a loaded machine, seed 2
+                # lost message 108 on both interpreters with the bridge's
+                # backlog empty, i.e. the upstream had acknowledged it: it
+                # was in flight when the batch before this step ended.)
                 px.refuse = True
                 px.cut()
+                time.sleep(0.3)
                 up.stop()
                 log.append("upstream down")
             else:

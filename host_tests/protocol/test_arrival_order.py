@@ -1,4 +1,5 @@
-"""Order between connections (docs/contract.md, "Order between connections").
+"""Order between connections (README, "What the broker does": "Order";
+docs/design.md, "Servers").
 
 MQTT orders the messages of one connection only (MQTT 3.1.1 4.6, 5.0 4.6):
 a subscriber that has its SUBACK receives what is published after it, on

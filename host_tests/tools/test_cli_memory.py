@@ -82,6 +82,31 @@ def test_micropython_broker_holds_sigint_and_stops_at_end_of_stdin(broker_factor
 
 
 @pytest.mark.parametrize("server", ["poll", "async"])
+@pytest.mark.parametrize("stdin", ["devnull", "file"])
+def test_stop_on_eof_with_a_file_for_stdin(interp, tmp_path, server, stdin):
+    """`--stop-on-eof` stops at the end of standard input when that is
+    /dev/null or a regular file too (`broker < /dev/null`, a service
+    manager's null input), not only a pipe. Under CPython on Linux both
+    servers wait with epoll, which refuses such a file (EPERM): the poll
+    server died with a PermissionError traceback, and the asyncio server's
+    watcher task died silently and the broker never stopped."""
+    if interp == "mosquitto":
+        pytest.skip("edgebroker's own option")
+    exe = sys.executable if interp == "cpython" else str(Path(sys.executable).parent / "micropython")
+    src = os.devnull
+    if stdin == "file":
+        src = str(tmp_path / "input.txt")
+        Path(src).write_text("some lines\nthe broker ignores\n")
+    cmd = [exe, "lib/edgebroker.py", "--board", "boards/host.json", "--port", str(_free_port()),
+           "--bind", "127.0.0.1", "--data-dir", str(tmp_path / "d"), "--server", server, "--stop-on-eof"]
+    with open(src, "rb") as f:
+        r = subprocess.run(cmd, cwd=str(REPO), stdin=f, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "standard input closed: stopping" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("server", ["poll", "async"])
 def test_a_memory_error_out_of_the_server_loop_fails_loudly(interp, tmp_path, server):
     """Every MemoryError a connection, an accept or a turn raises is handled
     below the server loop; one that still leaves it (here from a turn made
