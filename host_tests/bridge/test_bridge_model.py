@@ -85,7 +85,14 @@ def test_random_faults_lose_nothing(broker_factory, upstream, collector, proxy, 
                 # (Once, in a full make test on a loaded machine, seed 2
                 # lost message 108 on both interpreters with the bridge's
                 # backlog empty, i.e. the upstream had acknowledged it: it
-                # was in flight when the batch before this step ended.)
+                # was in flight when the batch before this step ended.
+                # mosquitto 2.0.11 alone, this fixture's configuration, a
+                # raw QoS 2 publisher and a paho subscriber that reconnects,
+                # SIGTERM and restart after each message: 1 of 20-30
+                # acknowledged messages never reached the subscriber, with
+                # or without 0.3 s before the SIGTERM; so the moment makes
+                # this rarer, not impossible: a loss here with the bridge's
+                # backlog empty is the upstream's.)
                 px.refuse = True
                 px.cut()
                 time.sleep(0.3)
