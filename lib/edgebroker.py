@@ -103,12 +103,6 @@ if hasattr(select.poll(), "ipoll"):
 
     _poller = select.poll
 
-    # >>> host only: the poll server's (a board runs the asyncio server)
-    def _unpoll(p):
-        pass  # a MicroPython poller holds no descriptor of its own
-
-    # <<< host only
-
     def _key(sock):
         return sock
 
@@ -157,17 +151,11 @@ else:
         def _poll(p, timeout):
             return p.poll(timeout / 1000)
 
-        def _unpoll(p):
-            p.close()
-
     else:
         _poller = select.poll
 
         def _poll(p, timeout):
             return p.poll(timeout)
-
-        def _unpoll(p):
-            pass
 
     def _key(sock):
         return sock.fileno()
@@ -621,6 +609,17 @@ def _asyncio():
 
 def _current():
     return _aio.current_task()
+
+
+# >>> host only: the poll server's (a board runs the asyncio server)
+def _unpoll(p):
+    # an epoll holds a descriptor of its own; a select.poll has none
+    close = getattr(p, "close", None)
+    if close is not None:
+        close()
+
+
+# <<< host only
 
 
 def _repoll(entries):
@@ -4277,9 +4276,8 @@ class Broker:
                 self.poller.unregister(self.lsock)
             except (OSError, ValueError, KeyError):
                 pass
-            if not self._async:
-                _unpoll(self.poller)
-                self.poller = None
+            _unpoll(self.poller)
+            self.poller = None
         if self._async:
             _io_forget(self.lsock)
         self.lsock.close()
