@@ -658,7 +658,6 @@ _AUTH = const(15)
 # MQTT 5.0 reason codes (2.4)
 _RC_SUCCESS = const(0x00)
 _RC_NO_SUBSCRIPTION = const(0x11)
-_RC_DISCONNECT_WITH_WILL = const(0x04)
 _RC_UNSPECIFIED = const(0x80)
 _RC_MALFORMED = const(0x81)
 _RC_PROTOCOL = const(0x82)
@@ -730,6 +729,22 @@ _PROP_TYPES = (
     b"\x00\x03\x05\x02\x00\x05"
     b"\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01"
 )
+# Where each property may appear (Table 2-4), two bytes per id, low first:
+# bit n is packet type n, bit 0 the Will Properties. A property where its
+# packet may not carry it is a Malformed Packet (2.2.2.2).
+_PROP_WHERE = (
+    b"\x00\x00\t\x00\t\x00\t\x00\x00\x00\x00\x00\x00\x00\x00\x00\t\x00\t\x00\x00\x00"
+    b"\x08\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x06@\x04\x00\x04\x00\x00\x00"
+    b"\x06\x80\x06\x80\x02\x00\x01\x00\x02\x00\x04\x00\x00\x00\x04@\x00\x00\x00\x00"
+    b"\xf4\xca\x00\x00\x06\x00\x06\x00\x08\x00\x04\x00\x04\x00\xff\xff\x06\x00\x04\x00"
+    b"\x04\x00\x04\x00"
+)
+_K_WILL = const(1)
+_K_CONNECT = const(2)
+_K_PUBLISH = const(8)
+_K_SUBSCRIBE = const(0x100)
+_K_UNSUBSCRIBE = const(0x400)
+_K_DISCONNECT = const(0x4000)
 # Properties a PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
@@ -876,20 +891,21 @@ def read_str(b, i, end):
     return check_utf8(raw), i
 
 
-def read_props(b, i, end, maxu=65535):
+def read_props(b, i, end, maxu=65535, kind=0):
     """Properties (2.2.2): returns (dict id -> value, raw forwardable bytes,
     next index). User Properties collect in a list under P_USER, at most
     maxu of them (max_user_properties: 0x83 past it); a repeated property
-    that may appear once is a Protocol Error. Linear in the packet's size."""
+    that may appear once is a Protocol Error; with kind (a _K_ bit) one the
+    packet may not carry is Malformed. Linear in the packet's size."""
     if i < end and b[i] == 0:
         # no properties, the usual PUBLISH: answered here, in a frame small
         # enough for MicroPython's C stack (the parser's comes from the heap:
         # 4.7 us a call on the unix port, docs/boards.md)
         return {}, b"", i + 1
-    return _read_props(b, i, end, maxu)
+    return _read_props(b, i, end, maxu, kind)
 
 
-def _read_props(b, i, end, maxu):
+def _read_props(b, i, end, maxu, kind):
     plen, i = read_vbi(b, i, end)
     stop = i + plen
     if stop > end:
@@ -904,6 +920,9 @@ def _read_props(b, i, end, maxu):
         t = _PROP_TYPES[pid] if pid < len(_PROP_TYPES) else 0
         if t == 0:
             raise MqttError(_RC_MALFORMED, "unknown property 0x%02x" % pid)
+        if kind and not (_PROP_WHERE[2 * pid] | _PROP_WHERE[2 * pid + 1] << 8) & kind:
+            # 2.2.2.2: not valid for its packet type
+            raise MqttError(_RC_MALFORMED, "property 0x%02x not allowed in this packet" % pid)
         if t == _T_BYTE:
             _need(i, 1, stop)
             v = b[i]
@@ -942,6 +961,18 @@ def _read_props(b, i, end, maxu):
                 fwd = bytearray()
             fwd.extend(b[start:i])
     return props, bytes(fwd) if fwd else b"", stop
+
+
+def reason(conn, text, size):
+    """The Reason String property for a packet of size bytes (fixed header
+    and property length aside), or none: the client asked for no problem
+    information (MQTT-3.1.2-29), or it would take the packet past the
+    client's Maximum Packet Size (MQTT-3.2.2-19, 3.9.2-1, 3.14.2-3)."""
+    if not text or not conn.problem:
+        return b""
+    p = prop_str(_P_REASON_STRING, text)
+    # 5: the fixed header at most, 2: the property length at most
+    return p if size + len(p) + 7 <= conn.maxpkt else b""
 
 
 # Local API properties by name (Broker.publish / subscribe callbacks).
@@ -1438,6 +1469,7 @@ class Conn:
     oamax = 0  # outbound topic aliases allowed (client's maximum, capped)
     oalias = None  # outbound: topic bytes -> alias
     problem = True  # Request Problem Information
+    se_capped = False  # its non-zero Session Expiry was capped to 0
     defer = None  # acks waiting for a durable store commit
     resend = 0  # in-flight entries not yet resent since CONNECT: the last ones
     held = None  # bytearray: unparsed input held back by flow control
@@ -1654,7 +1686,7 @@ class Engine:
                 code or 0,
             )
         if conn.ver == 5 and code is not None:
-            p = prop_str(_P_REASON_STRING, text) if text and conn.problem else b""
+            p = reason(conn, text, 2)
             if conn.sess is None:
                 # a refused CONNECT is answered by CONNACK (MQTT-3.2.2-7)
                 body = bytes((0, code)) + vbi(len(p)) + p
@@ -1879,14 +1911,14 @@ class Engine:
             raise MqttError(_RC_MALFORMED, "password without user name")  # 3.1.1 MQTT-3.1.2-22
         props = {}
         if level == 5:
-            props, _, i = read_props(b, i, end, self.max_user)
+            props, _, i = read_props(b, i, end, self.max_user, _K_CONNECT)
         cid, i = read_str(b, i, end)
         will = None
         if will_flag:
             wprops = {}
             wfwd = b""
             if level == 5:
-                wprops, wfwd, i = read_props(b, i, end, self.max_user)
+                wprops, wfwd, i = read_props(b, i, end, self.max_user, _K_WILL)
             wtopic, i = read_str(b, i, end)
             wpayload, i = read_bin(b, i, end)
             # A will is checked here exactly like a PUBLISH (MQTT-3.1.3-11
@@ -1930,6 +1962,10 @@ class Engine:
                 conn.maxpkt = mp
             conn.window = min(rm, self.max_inflight)
             conn.oamax = min(props.get(_P_ALIAS_MAX, 0), self.cfg["topic_alias_maximum"])
+            if props.get(_P_REQ_PROBLEM, 1) > 1 or props.get(_P_REQ_RESPONSE, 0) > 1:
+                raise MqttError(_RC_PROTOCOL, "request flag not 0 or 1")  # 3.1.2.11.6-7
+            if _P_AUTH_DATA in props and _P_AUTH_METHOD not in props:
+                raise MqttError(_RC_PROTOCOL, "Authentication Data without a Method")  # 3.1.2.11.10
             if props.get(_P_REQ_PROBLEM, 1) != 1:
                 conn.problem = False
         else:
@@ -2045,6 +2081,8 @@ class Engine:
         capped = sexp > cfg["max_session_expiry"]
         if capped:
             sexp = cfg["max_session_expiry"]
+            if not sexp:
+                conn.se_capped = True  # set only here: no slot on other connections
         present = False
         if old is not None and clean:
             self.end_session(old)
@@ -2075,8 +2113,10 @@ class Engine:
             tell = True
         conn.ka = ka
         if will is not None:
+            # its Message Expiry Interval counts from its publication
+            # (3.1.3.2.4): kept relative here, made absolute by pub_will()
             wt, wp, wq, wf, we, wr, wd = will
-            conn.will = (self.make_msg(wt, wp, wq, wf, we), wr, wd)
+            conn.will = ((wt.encode(), wp, wq, wf, we, 1 if we else 0), wr, wd)
         # -- CONNACK (3.2)
         if v5:
             p = bytearray()
@@ -2110,7 +2150,8 @@ class Engine:
             ", session present" if present else "",
         )
         # MQTT-4.4.0-1: resend unacknowledged PUBLISH (DUP=1) and PUBREL, in
-        # their order, paced by max_outbuf like any delivery (resend())
+        # their order, paced by max_outbuf like any delivery and by the new
+        # connection's Receive Maximum (resend())
         if sess.inflight:
             conn.resend = len(sess.inflight)
         self.pump(sess)
@@ -2118,13 +2159,17 @@ class Engine:
     def resend(self, sess, conn):
         """Resends the in-flight entries a reconnected client has not had
         again yet (the last conn.resend of sess.inflight) while its buffer
-        allows; True once none is left. Nothing new goes out before them
-        (4.6). An entry that can no longer be sent (expired while the client
+        and its window allow; True once none is left. Nothing new goes out
+        before them (4.6). An entry that can no longer be sent (expired while the client
         was away, MQTT-3.3.2-5, or larger than its new Maximum Packet Size,
         MQTT-3.1.2-25) is released: it must not hold the window for good."""
         inflight = sess.inflight
         k = len(inflight) - conn.resend
         while conn.resend:
+            if k >= conn.window:
+                # the k before it are out again, unacknowledged: this
+                # connection's Receive Maximum holds resends too (MQTT-3.3.4-9)
+                break
             ent = inflight[k]
             m = ent[_F_MSG]
             if not conn.fits(4 if m is None else msg_size(m), self.max_outbuf):
@@ -2149,7 +2194,7 @@ class Engine:
         self.refuse(cause, text)
         if conn.ver == 5:
             body = bytes((0, rc5))
-            p = prop_str(_P_REASON_STRING, text) if conn.problem else b""
+            p = reason(conn, text, 2)
             self.write(conn, packet(_CONNACK, 0, body + vbi(len(p)) + p))
         else:
             self.write(conn, bytes((0x20, 2, 0, rc3)))
@@ -2213,8 +2258,15 @@ class Engine:
         for w in self.wills:
             if w[_W_SESS] is sess:
                 self.wills.remove(w)
-                self.publish(w[_W_MSG], w[_W_RETAIN], None)
+                self.pub_will(w[_W_MSG], w[_W_RETAIN])
                 break
+
+    def pub_will(self, msg, retain):
+        # a will's Message Expiry starts now (3.1.3.2.4): msg[4] holds the
+        # interval until then (on_connect)
+        if msg[5]:
+            msg = (msg[0], msg[1], msg[2], msg[3], self.now_s + msg[4], 1)
+        self.publish(msg, retain, None)
 
     def cancel_will(self, sess):
         for w in self.wills:
@@ -2253,7 +2305,7 @@ class Engine:
         fwd = b""
         exp = 0
         if conn.ver == 5:
-            props, fwd, i = read_props(b, i, end, self.max_user)
+            props, fwd, i = read_props(b, i, end, self.max_user, _K_PUBLISH)
             if props:
                 if _P_SUB_ID in props:
                     raise MqttError(_RC_PROTOCOL, "Subscription Identifier from a client")
@@ -2837,7 +2889,7 @@ class Engine:
         v5 = conn.ver == 5
         sid = 0
         if v5:
-            props, _, i = read_props(b, i, end, self.max_user)
+            props, _, i = read_props(b, i, end, self.max_user, _K_SUBSCRIBE)
             sid = props.get(_P_SUB_ID, 0)
             if _P_SUB_ID in props and sid == 0:
                 raise MqttError(_RC_PROTOCOL, "Subscription Identifier 0")
@@ -2923,7 +2975,7 @@ class Engine:
                 todo.append((filt, opts, sid))
         p = b""
         if v5:
-            p = prop_str(_P_REASON_STRING, why) if why and conn.problem else b""
+            p = reason(conn, why, 2 + len(codes))
             p = vbi(len(p)) + p
         self.write(conn, packet(_SUBACK, 0, u16(pid) + p + codes))
         for filt, opts, sid in todo:
@@ -2975,7 +3027,7 @@ class Engine:
             raise MqttError(_RC_PROTOCOL, "packet identifier 0")
         v5 = conn.ver == 5
         if v5:
-            _, _, i = read_props(b, i, end, self.max_user)
+            _, _, i = read_props(b, i, end, self.max_user, _K_UNSUBSCRIBE)
         if i >= end:
             raise MqttError(_RC_PROTOCOL, "UNSUBSCRIBE with no filters")  # MQTT-3.10.3-2
         sess = conn.sess
@@ -3002,16 +3054,18 @@ class Engine:
             rc = b[i]
             i += 1
             if i < end:
-                props, _, i = read_props(b, i, end, self.max_user)
+                props, _, i = read_props(b, i, end, self.max_user, _K_DISCONNECT)
                 se = props.get(_P_SESSION_EXPIRY)
                 if se is not None:
-                    if conn.sess.expiry == 0 and se:
-                        # MQTT-3.14.2-2
+                    if conn.sess.expiry == 0 and se and not conn.se_capped:
+                        # MQTT-3.14.2-2 (the CONNECT's own value was 0, not
+                        # a non-zero one that max_session_expiry 0 capped)
                         raise MqttError(_RC_PROTOCOL, "Session Expiry set after 0")
                     conn.sess.expiry = min(se, self.cfg["max_session_expiry"])
-        # MQTT-3.14.4-3: a normal DISCONNECT discards the will; 0x04 keeps it
+        # MQTT-3.14.4-3: only 0x00 (normal) discards the will; 0x04 and the
+        # error codes publish it (MQTT-3.1.2-8)
         self.log("info", "client %s disconnected (reason 0x%02x)", conn.cid, rc)
-        self.close(conn, rc == _RC_DISCONNECT_WITH_WILL)
+        self.close(conn, rc != 0)
 
     # -------------------------------------------------------------- close
     def close(self, conn, will):
@@ -3061,7 +3115,7 @@ class Engine:
                 # when the session ends, whichever comes first
                 self.wills.append([self.now_s + min(delay, sess.expiry), sess, msg, retain])
             else:
-                self.publish(msg, retain, None)
+                self.pub_will(msg, retain)
 
     # ------------------------------------------------- the server's side
     def open(self, io, now, peer=""):
@@ -3426,7 +3480,7 @@ class Engine:
             for w in list(self.wills):
                 if w[_W_AT] <= now:
                     self.wills.remove(w)
-                    self.publish(w[_W_MSG], w[_W_RETAIN], None)
+                    self.pub_will(w[_W_MSG], w[_W_RETAIN])
         for sess in list(self.sessions.values()):
             if sess.conn is None and sess.expiry != 0xFFFFFFFF and now - sess.gone >= sess.expiry:
                 self.end_session(sess)

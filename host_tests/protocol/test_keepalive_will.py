@@ -172,6 +172,24 @@ def test_disconnect_with_will_message_0x04_publishes_will_MQTT_3_14_2_1(broker):
     w.disconnect()
 
 
+@pytest.mark.parametrize("reason", [0x80, 0x83], ids=["0x80", "0x83"])
+def test_disconnect_with_an_error_reason_publishes_will_MQTT_3_14_4_3(broker, reason):
+    """Only DISCONNECT with 0x00 discards the Will (MQTT-3.14.4-3): a client
+    that ends with an error code (0x80 Unspecified error, 0x83
+    Implementation specific error) has its Will published, as after any
+    close that is not a normal one (MQTT-3.1.2-8)."""
+    if broker.is_mosquitto:
+        pytest.xfail("mosquitto 2.0.11 discards the will on any DISCONNECT but 0x04")
+    w = watcher(broker.port)
+    c = raw_connect(broker.port, "werr", version=5, will=will("will/err", b"failed", qos=1))
+    c.send(disconnect_packet(reason, 5))
+    assert c.closed(3)
+    m = w.expect_publish(5)
+    assert (m.topic, m.payload) == ("will/err", b"failed")
+    ack(w, m)
+    w.disconnect()
+
+
 def test_paho_will_on_drop_not_on_disconnect(broker):
     """paho clients (3.1.1 and 5.0) with will_set: dropped connection -> will;
     paho disconnect() -> no will."""
@@ -259,6 +277,24 @@ def test_will_properties_forwarded_MQTT_3_1_3_10(broker):
     assert pr.get(CORRELATION_DATA) == b"\x01\x02corr"
     assert pr.get(USER_PROPERTY) == [("k1", "v1"), ("k2", "v2")]
     assert 110 <= pr.get(MESSAGE_EXPIRY_INTERVAL, 0) <= 120
+    ack(w, m)
+    w.disconnect()
+
+
+def test_will_expiry_counts_from_its_publication_3_1_3_2_4(broker):
+    """A Will with Message Expiry Interval 2 s whose client stays connected
+    3 s: the Will is still published when the client drops, with a Message
+    Expiry of at most 2 s left, because its lifetime starts when the Server
+    publishes it (3.1.3.2.4: "sent as the Publication Expiry Interval when
+    the Server publishes the Will Message"), not at CONNECT."""
+    w = watcher(broker.port)
+    c = raw_connect(broker.port, "wexp", version=5,
+                    will=will("will/exp", b"late", qos=1, props=prop_u32(MESSAGE_EXPIRY_INTERVAL, 2)))
+    time.sleep(3.0)
+    c.close()
+    m = w.expect_publish(5)
+    assert m.payload == b"late"
+    assert 1 <= m.props.get(MESSAGE_EXPIRY_INTERVAL, 0) <= 2, m.props
     ack(w, m)
     w.disconnect()
 

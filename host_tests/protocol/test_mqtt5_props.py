@@ -18,8 +18,12 @@ from helpers_pubsub import (
     sys_int,
 )
 from mqtt_helpers import (
+    AUTHENTICATION_DATA,
+    AUTHENTICATION_METHOD,
+    CONNACK,
     CONTENT_TYPE,
     CORRELATION_DATA,
+    DISCONNECT,
     MAXIMUM_PACKET_SIZE,
     MESSAGE_EXPIRY_INTERVAL,
     PAYLOAD_FORMAT_INDICATOR,
@@ -27,16 +31,24 @@ from mqtt_helpers import (
     REASON_STRING,
     RECEIVE_MAXIMUM,
     REQUEST_PROBLEM_INFORMATION,
+    REQUEST_RESPONSE_INFORMATION,
     RESPONSE_TOPIC,
     SESSION_EXPIRY_INTERVAL,
+    SUBACK,
     SUBSCRIPTION_IDENTIFIER,
     TOPIC_ALIAS,
     TOPIC_ALIAS_MAXIMUM,
     USER_PROPERTY,
+    WILL_DELAY_INTERVAL,
     RawClient,
+    connect_packet,
+    disconnect_packet,
     paho_client,
     paho_props,
     parse_ack,
+    parse_connack,
+    parse_disconnect,
+    parse_suback,
     prop_bin,
     prop_byte,
     prop_pair,
@@ -50,6 +62,7 @@ from mqtt_helpers import (
     raw_connect,
     requires_edgebroker,
     subscribe_packet,
+    unsubscribe_packet,
 )
 
 # ---------------------------------------------------------------------------
@@ -398,6 +411,119 @@ def test_refusal_suback_and_connack_carry_reason_string_MQTT_3_1_2_29(broker_fac
         assert ack.reason == 0x86
         assert isinstance(ack.props.get(REASON_STRING), str) and ack.props[REASON_STRING]
         assert r.closed(3)
+
+
+def _connect_refused(broker, code, cid, **kw):
+    """A CONNECT answered by CONNACK code, then the connection closed
+    (mosquitto may close without the CONNACK, which MQTT-4.13.1-1 allows)."""
+    with RawClient(broker.port, version=5) as r:
+        r.send(connect_packet(cid, **kw))
+        p = r.read_packet(3)
+        if p is None and broker.is_mosquitto:
+            return
+        assert p is not None and p.ptype == CONNACK, p
+        assert parse_connack(p.body).reason == code, hex(parse_connack(p.body).reason)
+        assert r.closed(3)
+
+
+def _size(pkt):
+    """A RawPacket's size on the wire (fixed header included)."""
+    n = len(pkt.body)
+    return 1 + (1 if n < 128 else 2 if n < 16384 else 3) + n
+
+
+def test_reason_string_left_out_past_the_client_maximum_packet_size_MQTT_3_1_2_24(broker):
+    """A Reason String that would take a packet past the Maximum Packet
+    Size the client set is left out, the reason code kept: SUBACK 0x8F
+    (limit 12, MQTT-3.9.2-1), DISCONNECT 0x94 for Topic Alias 0 (limit 16,
+    MQTT-3.14.2-3), CONNACK 0x8C for an Authentication Method (limit 16,
+    MQTT-3.2.2-19); the Server never sends a packet larger than the limit
+    (MQTT-3.1.2-24)."""
+    requires_edgebroker(broker)  # mosquitto sends no Reason Strings there
+    c = raw_connect(broker.port, "rsfit1", version=5, props=prop_u32(MAXIMUM_PACKET_SIZE, 12))
+    c.send(subscribe_packet(1, [("$share/g+/t", 0)]))
+    p = c.expect(SUBACK)
+    assert _size(p) <= 12, p
+    _, codes, _ = parse_suback(p.body)
+    assert codes == [0x8F]
+    c.close()
+    c = raw_connect(broker.port, "rsfit2", version=5, props=prop_u32(MAXIMUM_PACKET_SIZE, 16))
+    c.send(publish_packet("a/b", b"x", props=prop_u16(TOPIC_ALIAS, 0)))
+    p = c.expect(DISCONNECT)
+    assert _size(p) <= 16, p
+    assert parse_disconnect(p.body)[0] == 0x94
+    c.close()
+    with RawClient(broker.port, version=5) as r:
+        r.send(connect_packet("rsfit3", props=prop_u32(MAXIMUM_PACKET_SIZE, 16)
+                              + prop_str(AUTHENTICATION_METHOD, "SCRAM-SHA-1")))
+        p = r.expect(CONNACK)
+        assert _size(p) <= 16, p
+        assert parse_connack(p.body).reason == 0x8C
+        assert r.closed(3)
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        prop_byte(REQUEST_PROBLEM_INFORMATION, 2),
+        prop_byte(REQUEST_RESPONSE_INFORMATION, 2),
+        prop_bin(AUTHENTICATION_DATA, b"x"),
+    ],
+    ids=["problem-2", "response-2", "auth-data-alone"],
+)
+def test_connect_property_values_that_are_a_protocol_error_3_1_2_11(broker, props):
+    """CONNECT with Request Problem Information or Request Response
+    Information other than 0 or 1 (3.1.2.11.6, 3.1.2.11.7), or with
+    Authentication Data but no Authentication Method (3.1.2.11.10): a
+    Protocol Error, CONNACK 0x82 and the connection closed (MQTT-3.1.4-1)."""
+    if broker.is_mosquitto and props[0] == AUTHENTICATION_DATA:
+        pytest.xfail("mosquitto 2.0.11 accepts Authentication Data without a Method")
+    _connect_refused(broker, 0x82, "cpv", props=props)
+
+
+# each property is valid elsewhere (Table 2-4), not in the packet named
+_WRONG_PLACE = {
+    "publish-session-expiry": ("publish", prop_u32(SESSION_EXPIRY_INTERVAL, 10)),
+    "subscribe-content-type": ("subscribe", prop_str(CONTENT_TYPE, "text/plain")),
+    "unsubscribe-sub-id": ("unsubscribe", prop_varint(SUBSCRIPTION_IDENTIFIER, 3)),
+    "disconnect-topic-alias": ("disconnect", prop_u16(TOPIC_ALIAS, 1)),
+    "connect-topic-alias": ("connect", prop_u16(TOPIC_ALIAS, 1)),
+    "connect-will-delay": ("connect", prop_u32(WILL_DELAY_INTERVAL, 5)),
+    "will-topic-alias": ("will", prop_u16(TOPIC_ALIAS, 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WRONG_PLACE))
+def test_property_not_valid_for_its_packet_is_malformed_2_2_2_2(broker, case):
+    """A property its packet may not carry (Table 2-4) makes a Malformed
+    Packet (2.2.2.2): CONNACK 0x81 for a CONNECT (its Will Properties
+    included), DISCONNECT 0x81 for a PUBLISH, SUBSCRIBE or UNSUBSCRIBE,
+    and the connection closed; a malformed DISCONNECT 0x00 is no normal
+    one, so the Will is published (MQTT-3.1.2-8)."""
+    where, prop = _WRONG_PLACE[case]
+    if where == "connect":
+        return _connect_refused(broker, 0x81, "wp-" + case, props=prop)
+    if where == "will":
+        w = dict(topic="w/t", payload=b"x", props=prop)
+        return _connect_refused(broker, 0x81, "wp-" + case, will=w)
+    w = raw_connect(broker.port, "", version=5)
+    assert w.subscribe([("wp/will", 0)]) == [0]
+    c = raw_connect(broker.port, "wp-" + case, version=5,
+                    will=dict(topic="wp/will", payload=b"w", props=b""))
+    if where == "publish":
+        c.send(publish_packet("wp/t", b"x", qos=1, pid=1, props=prop))
+    elif where == "subscribe":
+        c.send(subscribe_packet(1, [("wp/t", 0)], props=prop))
+    elif where == "unsubscribe":
+        c.send(unsubscribe_packet(1, ["wp/t"], props=prop))
+    else:
+        c.send(disconnect_packet(0, 5, props=prop))
+    if where != "disconnect":  # the client's own DISCONNECT ends it either way
+        p = c.expect(DISCONNECT)
+        assert parse_disconnect(p.body)[0] == 0x81
+    assert c.closed(3)
+    assert w.expect_publish(5).payload == b"w"
+    w.disconnect()
 
 
 # ---------------------------------------------------------------------------

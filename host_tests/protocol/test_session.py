@@ -432,6 +432,69 @@ def test_resume_respects_client_receive_maximum_MQTT_3_3_4_7(broker):
     c.disconnect()
 
 
+def test_resend_on_resume_keeps_to_the_new_receive_maximum_MQTT_3_3_4_9(broker):
+    """5 QoS 1 messages delivered and not acknowledged; the client resumes
+    with Receive Maximum 2: the broker resends 2 (DUP=1), then one more as
+    each is acknowledged, never more than 2 unacknowledged (MQTT-3.3.4-9
+    holds for the resends of MQTT-4.4.0-1 too), and all 5 come, in order."""
+    if broker.is_mosquitto:
+        pytest.xfail("mosquitto 2.0.11 resends every in-flight message at once")
+    props = prop_u32(SESSION_EXPIRY_INTERVAL, 60)
+    c = raw_connect(broker.port, "rsmax", version=5, clean=False, props=props)
+    assert c.subscribe([("rsmax/t", 1)]) == [1]
+    payloads = [b"r%d" % i for i in range(5)]
+    publish_acked(broker.port, "rsmax/t", payloads)
+    assert [c.expect_publish(3).payload for _ in payloads] == payloads
+    c.close()  # none acknowledged
+    c = raw_connect(broker.port, "rsmax", version=5, clean=False,
+                    props=props + bytes([0x21, 0, 2]))  # Receive Maximum 2
+    assert c.connack.session_present
+    pending = [c.expect_publish(3), c.expect_publish(3)]
+    assert c.no_publish(0.4), "more than Receive Maximum (2) unacknowledged resends"
+    got = [m.payload for m in pending]
+    while len(got) < 5:
+        m = pending.pop(0)
+        c.send(puback(m.pid))
+        n = c.expect_publish(3)
+        assert n.dup
+        got.append(n.payload)
+        pending.append(n)
+        assert c.no_publish(0.2), "more than Receive Maximum (2) unacknowledged resends"
+    for m in pending:
+        c.send(puback(m.pid))
+    assert got == payloads
+    assert c.no_publish(0.3)
+    c.disconnect()
+
+
+def test_disconnect_session_expiry_after_a_cap_to_zero_MQTT_3_14_2_2(broker_factory):
+    """max_session_expiry 0 caps a CONNECT's Session Expiry of 100 to 0; the
+    client's DISCONNECT with Session Expiry 50 is then no Protocol Error
+    (MQTT-3.14.2-2 forbids it only after a CONNECT that sent 0): the
+    broker closes the connection without a DISCONNECT of its own and
+    without the Will; the session still ends (0 is the cap). After a
+    CONNECT that did send 0, the same DISCONNECT is a Protocol Error
+    (0x82)."""
+    b = broker_factory(max_session_expiry=0)
+    requires_edgebroker(b)
+    w = raw_connect(b.port, "", version=5)
+    assert w.subscribe([("secap/will", 1)]) == [1]
+    c = raw_connect(b.port, "secap", version=5, clean=False,
+                    props=prop_u32(SESSION_EXPIRY_INTERVAL, 100),
+                    will=dict(topic="secap/will", payload=b"w", qos=1, retain=False, props=b""))
+    assert c.connack.props.get(SESSION_EXPIRY_INTERVAL) == 0
+    c.send(disconnect_packet(0, 5, props=prop_u32(SESSION_EXPIRY_INTERVAL, 50)))
+    assert c.read_packet(3) is None, "the broker answered a valid DISCONNECT"
+    assert w.no_publish(0.5), "will published after a normal DISCONNECT"
+    c = raw_connect(b.port, "secap", version=5, clean=False)
+    assert not c.connack.session_present
+    c.send(disconnect_packet(0, 5, props=prop_u32(SESSION_EXPIRY_INTERVAL, 50)))
+    p = c.read_packet(3)
+    assert p is not None and p.ptype == DISCONNECT
+    assert parse_disconnect(p.body)[0] == 0x82
+    w.disconnect()
+
+
 def test_max_sessions_discards_longest_disconnected(broker_factory):
     """max_sessions=2 (contract: the longest-disconnected session is
     discarded): three offline sessions -> the oldest is gone."""
