@@ -710,9 +710,6 @@ _P_MAX_QOS = const(0x24)
 _P_RETAIN_AVAILABLE = const(0x25)
 _P_USER = const(0x26)
 _P_MAX_PACKET = const(0x27)
-_P_WILDCARD_AVAILABLE = const(0x28)
-_P_SUB_ID_AVAILABLE = const(0x29)
-_P_SHARED_AVAILABLE = const(0x2A)
 
 _T_BYTE = const(1)
 _T_U16 = const(2)
@@ -729,22 +726,21 @@ _PROP_TYPES = (
     b"\x00\x03\x05\x02\x00\x05"
     b"\x06\x01\x03\x01\x05\x00\x05\x00\x00\x05\x00\x02\x02\x02\x01\x01\x07\x03\x01\x01\x01"
 )
-# Where each property may appear (Table 2-4), two bytes per id, low first:
-# bit n is packet type n, bit 0 the Will Properties. A property where its
-# packet may not carry it is a Malformed Packet (2.2.2.2).
+# Where a client may send each property (Table 2-4), one byte per id: a
+# bit for each packet the broker reads properties of (_K_ below; the
+# properties only a server sends are 0). A property where its packet may
+# not carry it is a Malformed Packet (2.2.2.2).
 _PROP_WHERE = (
-    b"\x00\x00\t\x00\t\x00\t\x00\x00\x00\x00\x00\x00\x00\x00\x00\t\x00\t\x00\x00\x00"
-    b"\x08\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x06@\x04\x00\x04\x00\x00\x00"
-    b"\x06\x80\x06\x80\x02\x00\x01\x00\x02\x00\x04\x00\x00\x00\x04@\x00\x00\x00\x00"
-    b"\xf4\xca\x00\x00\x06\x00\x06\x00\x08\x00\x04\x00\x04\x00\xff\xff\x06\x00\x04\x00"
-    b"\x04\x00\x04\x00"
+    b"\x00\x05\x05\x05\x00\x00\x00\x00\x05\x05\x00\x0c\x00\x00\x00\x00"
+    b"\x00\x22\x00\x00\x00\x02\x02\x02\x01\x02\x00\x00\x20\x00\x00\x20"
+    b"\x00\x02\x02\x04\x00\x00\x3f\x02\x00\x00\x00"
 )
 _K_WILL = const(1)
 _K_CONNECT = const(2)
-_K_PUBLISH = const(8)
-_K_SUBSCRIBE = const(0x100)
-_K_UNSUBSCRIBE = const(0x400)
-_K_DISCONNECT = const(0x4000)
+_K_PUBLISH = const(4)
+_K_SUBSCRIBE = const(8)
+_K_UNSUBSCRIBE = const(16)
+_K_DISCONNECT = const(32)
 # Properties a PUBLISH carries to subscribers unchanged (3.3.2.3); Message
 # Expiry is re-encoded with the remaining time, Topic Alias and Subscription
 # Identifier are never forwarded.
@@ -920,7 +916,7 @@ def _read_props(b, i, end, maxu, kind):
         t = _PROP_TYPES[pid] if pid < len(_PROP_TYPES) else 0
         if t == 0:
             raise MqttError(_RC_MALFORMED, "unknown property 0x%02x" % pid)
-        if kind and not (_PROP_WHERE[2 * pid] | _PROP_WHERE[2 * pid + 1] << 8) & kind:
+        if kind and not _PROP_WHERE[pid] & kind:
             # 2.2.2.2: not valid for its packet type
             raise MqttError(_RC_MALFORMED, "property 0x%02x not allowed in this packet" % pid)
         if t == _T_BYTE:
@@ -2122,17 +2118,21 @@ class Engine:
             p = bytearray()
             if capped:
                 p += prop_u32(_P_SESSION_EXPIRY, sexp)
-            p += prop_u16(_P_RECEIVE_MAX, min(self.max_inflight, 65535))
+            # only what differs from the spec's default for an absent
+            # property (3.2.2.3): a small CONNACK fits a client's small
+            # Maximum Packet Size (MQTT-3.1.2-24). Wildcard, Subscription
+            # Identifier and Shared Subscriptions are always available (1).
+            if self.max_inflight < 65535:
+                p += prop_u16(_P_RECEIVE_MAX, self.max_inflight)
             if cfg["maximum_qos"] < 2:
                 p += prop_byte(_P_MAX_QOS, cfg["maximum_qos"])
-            p += prop_byte(_P_RETAIN_AVAILABLE, 1 if cfg["retain_available"] else 0)
+            if not cfg["retain_available"]:
+                p += prop_byte(_P_RETAIN_AVAILABLE, 0)
             p += prop_u32(_P_MAX_PACKET, self.max_packet)
             if assigned is not None:
                 p += prop_str(_P_ASSIGNED_ID, assigned)
-            p += prop_u16(_P_ALIAS_MAX, cfg["topic_alias_maximum"])
-            p += prop_byte(_P_WILDCARD_AVAILABLE, 1)
-            p += prop_byte(_P_SUB_ID_AVAILABLE, 1)
-            p += prop_byte(_P_SHARED_AVAILABLE, 1)
+            if cfg["topic_alias_maximum"]:
+                p += prop_u16(_P_ALIAS_MAX, cfg["topic_alias_maximum"])
             if tell:
                 p += prop_u16(_P_SERVER_KEEPALIVE, ka)
             self.write(conn, packet(_CONNACK, 0, bytes((1 if present else 0, 0)) + vbi(len(p)) + p))
@@ -3331,8 +3331,11 @@ class Engine:
         raise ValueError naming what is wrong."""
         if isinstance(payload, str):
             payload = payload.encode()
-        elif not isinstance(payload, bytes):
+        elif isinstance(payload, (bytearray, memoryview)):
             payload = bytes(payload)
+        elif not isinstance(payload, bytes):
+            # bytes(5) would be five zero bytes, not a payload
+            raise ValueError("payload: %r is not bytes or str" % (payload,))
         if not isinstance(topic, str) or not valid_topic_name(topic) or "\x00" in topic:
             # MQTT-4.7.3-1, MQTT-3.3.2-2, MQTT-1.5.4-2 (no U+0000)
             raise ValueError("topic: %r is not a valid topic name" % (topic,))
@@ -3362,6 +3365,8 @@ class Engine:
             raise ValueError("topic_filter: %r is not a valid topic filter" % (filt,))
         if qos not in (0, 1, 2):
             raise ValueError("qos: %r (allowed 0, 1, 2)" % (qos,))
+        if not callable(callback):
+            raise ValueError("callback: %r is not callable" % (callback,))
         self._next_id += 1
         sess = Session("$local-%d" % self._next_id)
         sess.cb = callback
@@ -3377,6 +3382,8 @@ class Engine:
         return sess
 
     def local_unsubscribe(self, sess):
+        if not isinstance(sess, Session) or sess.cid[:7] != "$local-":
+            raise ValueError("handle: %r is not one subscribe() returned" % (sess,))
         for f in sess.subs:
             self.tree.remove(f, sess)
         sess.subs = ()
@@ -4504,6 +4511,8 @@ def main(argv):
             _die("cannot read %s %s: %s" % (what, path, e))
 
     profile = read(board, "board profile") if board is not None else {}
+    if not isinstance(profile, dict):
+        _die("board profile %s: not a JSON object" % (board,))
     for kv in sets:
         k, v = kv.split("=", 1)
         profile[k] = _parse_value(v)
@@ -4521,6 +4530,9 @@ def main(argv):
         if _LEVELS[level] >= lvl:
             print("%s edgebroker: %s %s" % (_stamp(), level, text), file=sys.stderr)
 
+    if server == "poll" and profile.get("bridges"):
+        # refused before anything listens (a bridge's link is an asyncio task)
+        _die("bridges: need the asyncio server (--server async)")
     try:
         broker = start(profile, bind, port, data_dir, log)
     except ValueError as e:
@@ -4550,9 +4562,6 @@ def main(argv):
         sys.stdout.flush()
     except AttributeError:
         pass
-    if server == "poll" and broker.extras:
-        broker.shutdown()
-        _die("bridges: need the asyncio server (--server async)")
     try:
         if server == "async":
             _asyncio().run(broker.serve_async())

@@ -96,10 +96,19 @@ def limits(profile=None):
     for the host tools, which reject unknown keys). A bad value raises
     ValueError naming the key, the value and what is allowed."""
     cfg = dict(DEFAULTS)
+    if profile is not None and not isinstance(profile, dict):
+        raise ValueError("profile: %r is not an object" % (profile,))
     if profile:
         for k in DEFAULTS:
             if k in profile:
                 cfg[k] = _checked(k, profile[k])
+    users = cfg["users"]
+    for u in users:
+        if not isinstance(users[u], str):
+            raise ValueError("users.%s: %r is not a string (a password entry)" % (u, users[u]))
+    if cfg["tls_client_ca"] and not cfg["tls_cert"]:
+        # client certificates are asked for only by a TLS listener
+        raise ValueError("tls_client_ca: %r needs tls_cert (a TLS listener)" % cfg["tls_client_ca"])
     if cfg["acl"]:
         import edgeauth
 

@@ -98,8 +98,11 @@ class Api:
                 return self.on_disk(c["topic"])
             return True
         if op == "subscribe":
-            self.b.subscribe(c["filter"], self.reporter(c.get("tag", "t"), c.get("raise")),
-                             c.get("qos", 0))
+            cb = None if c.get("no_callback") else self.reporter(c.get("tag", "t"), c.get("raise"))
+            self.b.subscribe(c["filter"], cb, c.get("qos", 0))
+            return True
+        if op == "unsubscribe":  # with whatever handle the test gives
+            self.b.unsubscribe(c["handle"])
             return True
         if op == "stats":
             return {"app_errors": self.b.engine.app_errors}

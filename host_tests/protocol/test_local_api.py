@@ -223,7 +223,11 @@ def test_retained_local_publish_on_disc_is_on_disk_when_publish_returns(broker_f
     ({"op": "publish", "topic": "a", "payload": "x", "properties": {"nope": 1}}, "properties"),
     ({"op": "subscribe", "filter": "a/#/b"}, "topic_filter"),
     ({"op": "subscribe", "filter": "a", "qos": 3}, "qos"),
-], ids=["plus", "hash", "empty", "sys", "qos3", "property", "filter", "subqos3"])
+    ({"op": "publish", "topic": "a", "payload": 5}, "payload"),
+    ({"op": "subscribe", "filter": "a", "no_callback": True}, "callback"),
+    ({"op": "unsubscribe", "handle": 12345}, "handle"),
+], ids=["plus", "hash", "empty", "sys", "qos3", "property", "filter", "subqos3", "payload-int",
+        "no-callback", "bad-handle"])
 def test_bad_arguments_raise_value_error_naming_the_argument(broker_factory, cmd, arg):
     """Bad arguments to publish()/subscribe() raise ValueError whose text
     starts with the argument's name; nothing is published and the broker

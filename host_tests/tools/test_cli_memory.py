@@ -4,8 +4,10 @@ MicroPython refuses new connections with 0x97 / rc 3 while the broker stays
 up, and it accepts again once memory is back (MicroPython's own asyncio
 start_server accept task dies for good on one MemoryError; ours must not)."""
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,6 +155,85 @@ def test_a_heap_too_small_to_start_is_one_line(interp, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("edgebroker: error: out of heap while starting ("), \
         r.stderr
     assert "`edgebroker config check` counts it" in lines[0]
+
+
+def test_a_heap_too_small_for_the_code_is_one_line(tmp_path):
+    """`edgebroker run --interpreter micropython --heap 64k`: the broker's
+    .mpy cannot even be imported into that heap; one line on stderr and
+    exit status 3 (as a heap too small to start), not MicroPython's
+    traceback."""
+    r = subprocess.run([str(EDGEBROKER), "run", "--interpreter", "micropython", "--heap", "64k",
+                        "--port", str(_free_port()), "--data-dir", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 3, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines == ["edgebroker: error: out of heap while loading the broker: the heap is "
+                     "smaller than its code; `edgebroker config check` counts it"], r.stderr
+
+
+@pytest.mark.parametrize("item", ["port=19999", "bind=0.0.0.0"])
+@pytest.mark.parametrize("command", ["run", "emulate"])
+def test_set_port_or_bind_is_refused_naming_the_option(tmp_path, command, item):
+    """`--set port=...` / `--set bind=...` would be ignored (the address
+    comes from --port and --bind): refused in one line naming the option to
+    use, exit 2, nothing started."""
+    args = [str(EDGEBROKER), command] + (["esp32"] if command == "emulate" else [])
+    r = subprocess.run(args + ["--set", item, "--data-dir", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    key = item.split("=")[0]
+    assert r.stderr.strip().splitlines() == [
+        "edgebroker %s: error: --set %s: %s listens where --port and --bind say; use --%s "
+        "(the profile's %s is the board's)" % (command, item, command, key, key)], r.stderr
+    assert "listening" not in r.stdout
+
+
+def test_cli_run_secrets_users_checked_like_a_profile(tmp_path):
+    """`run --secrets FILE`: its users are checked like a profile's (a
+    password entry is a string; an unsalted sha256 hash is refused as
+    `config check` refuses it), in one line naming the key, exit 2, before
+    anything listens (a non-string entry failed at every CONNECT before)."""
+    for users, want in (({"u": 5}, "users.u = 5: not a string"),
+                        ({"u": "sha256:abc"}, "unsalted sha256")):
+        sec = tmp_path / "secrets.json"
+        sec.write_text(json.dumps({"users": users}))
+        r = subprocess.run([str(EDGEBROKER), "run", "--secrets", str(sec), "--port",
+                            str(_free_port()), "--data-dir", str(tmp_path / "d"),
+                            "--set", "allow_anonymous=false"],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and want in lines[0], r.stderr
+        assert "listening" not in r.stdout
+
+
+@pytest.mark.parametrize("interpreter", ["cpython", "micropython"])
+def test_broker_stops_when_its_wrapper_is_killed(tmp_path, interpreter):
+    """`edgebroker run` killed outright (SIGKILL: no signal to forward): the
+    broker it started, in a process group of its own, stops too (Linux
+    parent-death signal) and its port is free again, rather than running on
+    orphaned."""
+    port = _free_port()
+    wrapper = subprocess.Popen([str(EDGEBROKER), "run", "--interpreter", interpreter, "--port",
+                                str(port), "--data-dir", str(tmp_path / "d")],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               stdin=subprocess.DEVNULL)
+    try:
+        assert "listening" in wrapper.stdout.readline()
+        wrapper.kill()
+        wrapper.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                break  # nothing listens any more
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the broker still listens after its wrapper was killed")
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
 
 
 def test_cli_run_rejects_bad_input(tmp_path):

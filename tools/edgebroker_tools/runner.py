@@ -13,6 +13,7 @@ interface (flags, the one "listening" line, SIGINT for a clean stop).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import importlib
@@ -299,10 +300,18 @@ def compile_mpy(source: Path, out_dir: Path | None = None, *, board: bool = Fals
 
 def mpy_launcher(mpy: Path, argv: Sequence[str]) -> str:
     """MicroPython source for `micropython -c`: import the .mpy and call main(argv)."""
+    # a heap too small for the code itself fails in the import, before
+    # main() can say so: one line and exit 3, as main() says it when start()
+    # runs out (not MicroPython's traceback)
     return (
         "import sys\n"
         f"sys.path.insert(0, {str(mpy.parent.resolve())!r})\n"
-        f"import {mpy.stem}\n"
+        "try:\n"
+        f"    import {mpy.stem}\n"
+        "except MemoryError:\n"
+        "    sys.stderr.write('edgebroker: error: out of heap while loading the broker: the "
+        "heap is smaller than its code; `edgebroker config check` counts it\\n')\n"
+        "    sys.exit(3)\n"
         f"{mpy.stem}.main({list(argv)!r})\n"
     )
 
@@ -381,8 +390,25 @@ _KILL_AFTER: Final = 3
 STOP_ON_EOF: Final = "--stop-on-eof"
 
 
-def start_broker(argv: Sequence[str], *, stop_by_eof: bool, **popen: Any) -> subprocess.Popen[Any]:
+def _stop_with_parent(parent: int) -> None:
+    """In the child before exec (Linux): SIGTERM when the process that
+    started it dies, so a wrapper killed outright (SIGKILL) does not leave
+    its broker listening (its own process group: no terminal signal
+    reaches it). If that parent is gone already, stop at once."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def start_broker(
+    argv: Sequence[str], *, stop_by_eof: bool, with_parent: bool = False, **popen: Any
+) -> subprocess.Popen[Any]:
     """Popen for a broker, in its own process group.
+
+    with_parent (the foreground commands, run and emulate, whose process is
+    single-threaded here): on Linux the broker gets SIGTERM when this
+    process dies, however it dies.
 
     stop_by_eof (a MicroPython broker, started with --stop-on-eof): its
     stdin is a pipe, closed by ask_stop(), and it starts with SIGINT
@@ -398,6 +424,9 @@ def start_broker(argv: Sequence[str], *, stop_by_eof: bool, **popen: Any) -> sub
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     else:
         popen.setdefault("stdin", subprocess.DEVNULL)
+    if with_parent and sys.platform.startswith("linux"):
+        parent = os.getpid()
+        popen["preexec_fn"] = lambda: _stop_with_parent(parent)
     try:
         return subprocess.Popen(list(argv), process_group=0, **popen)
     except OSError as exc:
@@ -448,7 +477,7 @@ def run_foreground(argv: Sequence[str], *, stop_by_eof: bool = False) -> int:
     # was started with SIGINT ignored (e.g. `cmd &` in a non-interactive shell).
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
-        child = start_broker(argv, stop_by_eof=stop_by_eof)
+        child = start_broker(argv, stop_by_eof=stop_by_eof, with_parent=True)
         if received:
             ask_stop(child)
         code = child.wait()

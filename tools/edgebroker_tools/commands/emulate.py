@@ -478,7 +478,10 @@ def monitor(
 
 # ----------------------------------------------------------------- handler
 def handle(args: argparse.Namespace) -> int:
+    from edgebroker_tools.commands.run import refuse_address_overrides
+
     interpreter = cast(runner.Interpreter, args.interpreter)
+    refuse_address_overrides(cast("list[str]", args.overrides), "emulate")
     name, cfg, notes = prepare_profile(
         cast(str, args.board),
         cast("list[str]", args.overrides),
@@ -597,6 +600,7 @@ def run(
             child = runner.start_broker(
                 argv,
                 stop_by_eof=interpreter == "micropython",
+                with_parent=True,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -76,7 +76,7 @@ def register(subparsers: Subparsers) -> None:
         type=_heap,
         default=None,
         metavar="SIZE",
-        help="MicroPython heap size, e.g. 96k, 2m, 131072 (ignored with cpython)",
+        help="MicroPython heap size, e.g. 256k, 2m, 131072 (ignored with cpython)",
     )
     parser.add_argument(
         "--data-dir",
@@ -105,16 +105,47 @@ def register(subparsers: Subparsers) -> None:
     parser.set_defaults(handler=handle)
 
 
+def refuse_address_overrides(overrides: list[str], command: str) -> None:
+    """`--set port=...` or `--set bind=...`: refused in one line. On the host
+    the address comes from --port and --bind (a board profile's port and
+    bind are the board's); silently listening elsewhere would mislead."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in ("port", "bind"):
+            raise CommandError(
+                f"--set {item}: {command} listens where --port and --bind say; "
+                f"use --{key} (the profile's {key} is the board's)"
+            )
+
+
 def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
     """The --secrets file, checked here like `flash` checks it (one line
-    naming the key); the broker merges it (edgebroker.with_secrets)."""
+    naming the key): its bridges against the profile's, its users like a
+    profile's (a password entry is a string; an unsalted sha256 hash is
+    refused, as `config check` refuses it); the broker merges it
+    (edgebroker.with_secrets)."""
     if path is None:
         return None
     from edgebroker_tools.commands.flash import read_secrets
 
-    problem = profiles.check_secret_bridges(read_secrets(path), profile)
+    secrets = read_secrets(path)
+    problem = profiles.check_secret_bridges(secrets, profile)
     if problem:
         raise CommandError(f"secrets file {path}: {problem}")
+    users = secrets.get("users") if isinstance(secrets, dict) else None
+    if users is not None:
+        if not isinstance(users, dict):
+            raise CommandError(f"secrets file {path}: users = {users!r}: not an object")
+        for name, entry in users.items():
+            if not isinstance(entry, str):
+                raise CommandError(
+                    f"secrets file {path}: users.{name} = {entry!r}: not a string "
+                    f"(a password entry: `edgebroker passwd {name}`)"
+                )
+        report = profiles.Report(str(path), {})
+        profiles.check_users(report, users, "users")
+        if report.errors:
+            raise CommandError(f"secrets file {path}: {report.errors[0].text}")
     return path.resolve()
 
 
@@ -124,6 +155,7 @@ def handle(args: argparse.Namespace) -> int:
     bind = cast(str, args.bind)
     port = cast(int, args.port)
     overrides = cast("list[str]", args.overrides)
+    refuse_address_overrides(overrides, "run")
     # the checker of `config check`: a bad value stops here, in one line
     checked = profiles.load_checked(cast(str, args.board), overrides)
     for issue in profiles.host_warnings(checked.report, bind):
