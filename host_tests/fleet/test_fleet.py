@@ -109,7 +109,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                      store_budget_bytes=4096, max_clients=4),
             tmp,
         ),  # fmt: skip
-        "gw-pico": Broker("gw-pico", _profile("rp2040_picow", max_clients=4), tmp),
+        "gw-pico": Broker("gw-pico", _profile("rp2040_picow", max_clients=3), tmp),
         "gw-host": Broker(
             "gw-host", _profile("host", allow_anonymous=False, users={"fleet": "s3cret"}), tmp
         ),
@@ -476,6 +476,20 @@ def test_report_and_advice_patches(round2: dict[str, Any], capsys: pytest.Captur
     code = cli_main(["config", "apply", "esp32", str(patch)])
     capsys.readouterr()
     assert (code == 0) == (esp["check_status"] == "ok")
+
+
+def test_report_refuses_an_html_path_in_a_missing_directory_in_one_line(
+    round2: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "nonexistent" / "dir" / "r.html"
+    code = cli_main(["fleet", "report", str(round2["warehouse"]), "--html", str(target)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.strip().splitlines() == [
+        f"edgebroker fleet: error: --html {target}: no such directory {target.parent} "
+        "(expected a file in an existing directory)"
+    ]
+    assert captured.out == ""  # refused before the summary is printed
 
 
 def test_job_runs_under_spark_submit_with_two_executor_jvms(

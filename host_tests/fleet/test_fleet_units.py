@@ -109,6 +109,156 @@ def test_collect_cli_reports_a_bad_inventory_as_usage_error(
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The command's stderr: exactly one `edgebroker fleet: error:` line, no traceback."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("edgebroker fleet: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [({"max_clients": "abc"}, 'max_clients = "abc": must be an integer in 1..65535'),
+     ({"nokey": 1}, "nokey = 1: unknown key"),
+     ({"max_clients": 0}, "max_clients = 0: must be 1..65535"),
+     ({"max_clients": 9}, "max_clients = 9: must be <= 8 (sockets 10")],
+)  # fmt: skip
+def test_collect_refuses_overrides_the_profile_check_refuses_before_connecting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: dict[str, Any], says: str
+) -> None:
+    # the gateway's effective profile (board + overrides) gets `config check`'s
+    # checker: the message names the gateway, the key, the value and the range
+    gws = [{"id": "gw-ok", "host": "127.0.0.1", "port": free_port(), "board": "esp32"},
+           {"id": "gw-bad", "host": "127.0.0.1", "port": free_port(), "board": "esp32",
+            "overrides": overrides}]  # fmt: skip
+    path = _inventory(tmp_path, gws)
+    with pytest.raises(InventoryError) as err:
+        load_inventory(path)
+    assert str(err.value).startswith("gateway gw-bad: ") and says in str(err.value)
+    out = tmp_path / "snaps"
+    assert cli_main(["fleet", "collect", "--inventory", str(path), "--out", str(out)]) == 2
+    assert says in _one_error_line(capsys)
+    assert not out.exists()  # refused before anything was collected or written
+
+
+def test_collect_refuses_a_board_profile_file_the_profile_check_refuses(tmp_path: Path) -> None:
+    (tmp_path / "custom.json").write_text(json.dumps({"board": "custom", "max_clients": -1}))
+    path = _inventory(tmp_path, [{"id": "gw-1", "host": "h", "board": "custom.json"}])
+    with pytest.raises(InventoryError, match=r"gateway gw-1: board profile .*custom\.json: "
+                       r"max_clients = -1: must be 1\.\.65535"):  # fmt: skip
+        load_inventory(path)
+    # a null override removes the key: the board's own value is checked again
+    fixed = _inventory(tmp_path, [{"id": "gw-1", "host": "h", "board": "custom.json",
+                                   "overrides": {"max_clients": None}}])  # fmt: skip
+    assert load_inventory(fixed)[0].limits["max_clients"] == 16
+
+
+UNUSABLE_JSON = {
+    "not UTF-8": (b"\xff\xfe{}", "is not UTF-8 text: byte 0xff at offset 0"),
+    "5,000 digits": (b'{"n": ' + b"1" * 5000 + b"}", "a number with more than 4300 digits"),
+    "5,000 deep": (b"[" * 5000 + b"]" * 5000, "nested deeper than Python's recursion limit"),
+}
+
+
+@pytest.mark.parametrize("role", ["inventory", "secrets file", "board profile"])
+@pytest.mark.parametrize("kind", list(UNUSABLE_JSON))
+def test_unusable_json_in_inventory_secrets_or_board_file_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], role: str, kind: str
+) -> None:
+    content, says = UNUSABLE_JSON[kind]
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    inventory = tmp_path / "fleet.json"
+    gateway = {"id": "gw-1", "host": "h", "board": "esp32"}
+    if role == "inventory":
+        inventory = bad
+    elif role == "secrets file":
+        inventory.write_text(json.dumps({"secrets": "bad.json", "gateways": [gateway]}))
+    else:
+        inventory.write_text(json.dumps({"gateways": [gateway | {"board": "bad.json"}]}))
+    out = tmp_path / "snaps"
+    assert cli_main(["fleet", "collect", "--inventory", str(inventory), "--out", str(out)]) == 2
+    line = _one_error_line(capsys)
+    assert f"{role} " in line and "bad.json" in line and says in line
+    assert not out.exists()
+
+
+# ---------------------------------------------------- outputs and options
+def test_collect_and_synth_refuse_an_out_that_cannot_be_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    existing = tmp_path / "out.json"
+    existing.write_text("{}")
+    gw = {"id": "gw-1", "host": "127.0.0.1", "port": free_port(), "board": "esp32"}
+    inventory = _inventory(tmp_path, [gw])
+    args = ["fleet", "collect", "--inventory", str(inventory), "--no-progress"]
+    assert cli_main([*args, "--out", str(existing)]) == 2
+    assert f"--out {existing}: exists and is not a directory" in _one_error_line(capsys)
+    assert existing.read_text() == "{}"
+    synth_args = ["fleet", "synth", "--gateways", "2", "--topics", "2", "--snapshots", "1"]
+    assert cli_main([*synth_args, "--out", str(existing)]) == 2
+    assert "exists and is not a directory" in _one_error_line(capsys)
+    below_a_file = existing / "x"  # as /proc/x/: no directory can be made there
+    assert cli_main([*synth_args, "--out", f"{below_a_file}/"]) == 2
+    assert f"--out {below_a_file}: cannot create the directory" in _one_error_line(capsys)
+
+
+def test_report_html_target_is_checked_and_written_without_a_traceback(tmp_path: Path) -> None:
+    from edgebroker_tools.fleet import outputs, report
+
+    missing = tmp_path / "nonexistent" / "dir" / "r.html"
+    with pytest.raises(outputs.OutputError, match=r"--html .*r\.html: no such directory"):
+        report.check_html_target(missing)
+    with pytest.raises(outputs.OutputError, match="is a directory"):
+        report.check_html_target(tmp_path)
+    data = report.Data("wh", {}, None, 0, 0, 0, 0)
+    with pytest.raises(outputs.OutputError, match="no such directory"):
+        report.write_html(missing, data)
+    report.write_html(tmp_path / "r.html", data)
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_build_refuses_a_master_or_driver_memory_spark_would_not_take_before_starting_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgebroker_tools.fleet import spark
+
+    args = ["fleet", "build", "--snapshots", str(tmp_path), "--out", str(tmp_path / "wh"),
+            "--no-progress"]  # fmt: skip
+    assert cli_main([*args, "--master", "bogus"]) == 2
+    assert "--master 'bogus': expected yarn or a master starting with local" in (
+        _one_error_line(capsys)
+    )
+    assert cli_main([*args, "--driver-memory", "lots"]) == 2
+    assert "--driver-memory 'lots': expected a number and a unit" in _one_error_line(capsys)
+    for good in ("local", "local[*]", "local-cluster[2,1,1024]", "spark://h:7077", "yarn"):
+        spark.check_master(good)
+    for good in ("4g", "512m", "2048M"):
+        spark.check_memory(good)
+    assert spark._reason(
+        Exception("An error occurred while calling None.org.apache.spark.api.java."
+                  "JavaSparkContext.\n: org.apache.spark.SparkException: Could not parse "
+                  "Master URL: 'local[abc]'\n\tat org.apache.spark.SparkContext$.x")
+    ) == "Could not parse Master URL: 'local[abc]'"  # fmt: skip
+
+
+def test_build_refuses_a_boards_directory_that_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgebroker_tools.fleet import job
+
+    args = ["--snapshots", str(tmp_path), "--out", str(tmp_path / "wh")]
+    for boards, says in ((tmp_path / "nonexistent", "no such directory"),
+                         (tmp_path / "f.json", "not a directory")):  # fmt: skip
+        (tmp_path / "f.json").write_text("{}")
+        assert cli_main(["fleet", "build", *args, "--boards", str(boards)]) == 2
+        assert f"--boards {boards}: {says}" in _one_error_line(capsys)
+        assert job.main([*args, "--boards", str(boards)]) == 2  # the spark-submit entry
+        assert f"fleet-job: error: --boards {boards}: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "wh").exists()
+
+
 # -------------------------------------------------------------- collector
 async def _serve(handler: Any) -> tuple[asyncio.Server, int]:
     port = free_port()

@@ -425,10 +425,25 @@ def test_emulate_prints_heap_status_and_stops_on_sigterm(tmp_path):
     assert code == 0, emu.log_text()
     assert status is not None, "".join(emu.lines) + emu.log_text()
     assert status.startswith("emulate esp32: heap free ")
-    assert "of 110000" in status and "clients 1/" in status
+    # $SYS heap/free and heap/alloc are of the 64-bit port's heap (the
+    # board's 110,000 scaled): the line names both, and its figures add up
+    assert "(64-bit port; board 110000)" in status and "clients 1/" in status
+    words = status.split()
+    free, alloc, total = (int(words[words.index(w) + 1]) for w in ("free", "alloc", "of"))
+    assert free + alloc <= total, status
     prof = json.loads((tmp_path / "flash" / "profile.json").read_text())
     assert prof["sys_interval"] == 1 and prof["heap_bytes"] == 110000
     assert (tmp_path / "flash" / "retained.ebrs").exists()
+
+
+def test_emulate_heap_option_is_a_board_heap(tmp_path):
+    """--heap is a board heap, like heap_bytes (32-bit bytes), scaled to
+    the 64-bit port the same way: the esp32's own 110000 runs (as without
+    --heap), and the note says what it became."""
+    emu = Emulator("esp32", "micropython", tmp_path, extra=["--heap", "110000", "--no-monitor"])
+    code = emu.stop()
+    assert code == 0, emu.log_text()
+    assert "the board's 110,000 bytes (32-bit, --heap) are 169,515 bytes" in emu.log_text()
 
 
 def test_emulate_stops_on_sigint_cpython(tmp_path):

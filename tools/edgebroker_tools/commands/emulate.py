@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -291,17 +292,16 @@ def launcher_argv(
         argv = [sys.executable, "-c"]
     else:
         mpys = [runner.compile_mpy(s) for s in sources]
-        if heap is not None:
-            size = runner.parse_heap(heap)
-        else:
-            # the board is 32-bit, this interpreter 64-bit: the same objects
-            # and bytecode take about 1.54x the bytes here
-            size = runner.unix_heap(int(cfg["heap_bytes"]))
-            notes.append(
-                f"heap: the board's {int(cfg['heap_bytes']):,} bytes (32-bit) are "
-                f"{size:,} bytes on this 64-bit unix port (x{runner.HEAP_64_PER_32:.2f}, "
-                "the measured object-size ratio)"
-            )
+        # the board is 32-bit, this interpreter 64-bit: the same objects and
+        # bytecode take about 1.54x the bytes here. --heap is a board heap
+        # too (instead of heap_bytes), scaled the same way
+        board = board_heap(cfg, heap)
+        size = runner.unix_heap(board)
+        notes.append(
+            f"heap: the board's {board:,} bytes (32-bit{', --heap' if heap else ''}) are "
+            f"{size:,} bytes on this 64-bit unix port (x{runner.HEAP_64_PER_32:.2f}, "
+            "the measured object-size ratio)"
+        )
         if profiles.code_in_place(cfg):
             image = build_romfs(mpys, data_dir)
             romfs = str(image)
@@ -313,7 +313,7 @@ def launcher_argv(
                 f"romfs: bytecode runs in place from {image.name} ({image.stat().st_size} "
                 "bytes, outside the board's heap)"
             )
-            if cfg.get("frozen") is True and heap is None:
+            if cfg.get("frozen") is True:
                 # frozen: the nearest this port comes is a ROMFS import, which
                 # keeps more (names, function records): that much more heap
                 more = frozen_extra(cfg)
@@ -404,10 +404,15 @@ def build_romfs(mpys: list[Path], data_dir: Path) -> Path:
 class Status:
     """The latest $SYS/broker/... values, and the status line made of them."""
 
-    def __init__(self, board: str, cfg: dict[str, Any], interpreter: str) -> None:
+    def __init__(
+        self, board: str, cfg: dict[str, Any], interpreter: str, heap: int | None = None
+    ) -> None:
+        """heap: the 64-bit port's -X heapsize ($SYS heap/free and heap/alloc
+        are of that heap, not of the board's 32-bit heap_bytes)."""
         self.board = board
         self.cfg = cfg
         self.interpreter = interpreter
+        self.heap = heap
         self.values: dict[str, str] = {}
 
     def update(self, topic: str, payload: bytes) -> None:
@@ -416,9 +421,13 @@ class Status:
 
     def line(self) -> str:
         v = self.values
-        heap = int(self.cfg["heap_bytes"])
         if "heap/free" in v:
-            part = f"heap free {v['heap/free']} alloc {v.get('heap/alloc', '?')} of {heap}"
+            total = (
+                f"{self.heap} (64-bit port; board {self.cfg['heap_bytes']})"
+                if self.heap is not None
+                else str(self.cfg["heap_bytes"])
+            )
+            part = f"heap free {v['heap/free']} alloc {v.get('heap/alloc', '?')} of {total}"
         elif self.interpreter == "cpython":
             part = "heap n/a (cpython)"
         elif not v:
@@ -528,8 +537,27 @@ def handle(args: argparse.Namespace) -> int:
     return run(argv, name, cfg, interpreter, args)
 
 
+def heap_size(argv: list[str]) -> int | None:
+    """The -X heapsize a MicroPython argv gives, in bytes (None: none)."""
+    for item in argv:
+        if item.startswith("heapsize="):
+            return runner.parse_heap(item[len("heapsize=") :])
+    return None
+
+
+def _board_bytes(unix: int) -> int:
+    """A 64-bit port's heap bytes as the board's (32-bit), rounded up."""
+    return math.ceil(unix / runner.HEAP_64_PER_32)
+
+
+def board_heap(cfg: dict[str, Any], heap: str | None) -> int:
+    """The board heap emulated: --heap (32-bit bytes, like heap_bytes) or heap_bytes."""
+    return runner.parse_heap(heap) if heap is not None else int(cfg["heap_bytes"])
+
+
 def minimum_heap(cfg: dict[str, Any]) -> int | None:
-    """profiles.start_heap with the measured costs, None without them."""
+    """profiles.start_heap with the measured costs (this 64-bit port's),
+    None without them; compare it with runner.unix_heap(board heap)."""
     try:
         return profiles.start_heap(cfg, profiles.load_costs())
     except profiles.ProfileError:
@@ -543,24 +571,26 @@ def check_heap(name: str, cfg: dict[str, Any], heap: str | None) -> None:
         return
     size = runner.parse_heap(heap)
     least = minimum_heap(cfg)
-    if least is not None and size < least:
+    if least is not None and runner.unix_heap(size) < least:
         raise CommandError(
             f"--heap {heap} ({size:,} bytes) is too small for the {name} build: the broker "
-            f"needs at least {least:,} bytes to import and listen (boards/memory_costs.json)"
+            f"needs at least {_board_bytes(least):,} bytes of board heap to import and listen "
+            f"({least:,} on this 64-bit port; boards/memory_costs.json)"
         )
 
 
 def out_of_memory(name: str, cfg: dict[str, Any], heap: str | None, held: list[str]) -> str:
     """The one line for a broker that died of MemoryError before listening."""
-    size = runner.parse_heap(heap) if heap is not None else int(cfg["heap_bytes"])
+    size = board_heap(cfg, heap)
     least = minimum_heap(cfg)
     if least is None:
         need = ""
-    elif least > size:
-        need = f": give at least {least:,} bytes"
+    elif least > runner.unix_heap(size):
+        need = f": give at least {_board_bytes(least):,} bytes"
     else:
         need = (
-            f"; boards/memory_costs.json puts the minimum at {least:,} bytes, so its figures "
+            f"; boards/memory_costs.json puts the minimum at {_board_bytes(least):,} bytes, "
+            "so its figures "
             "are out of date for this lib/ (`make measure-memory`)"
         )
     last = held[-1].strip() if held else "MemoryError"
@@ -644,7 +674,7 @@ def run(
                 if child.poll() is not None or stop.is_set():
                     break
             if listening.is_set() and not stop.is_set():
-                status = Status(name, cfg, interpreter)
+                status = Status(name, cfg, interpreter, heap_size(argv))
                 monitor(cast(int, args.port), status, cast(float, args.status_every), stop, child)
         code = child.wait()
         reader.join(2.0)

@@ -224,8 +224,9 @@ def handle_report(args: argparse.Namespace) -> int:
         data = report.load(warehouse)
     except report.ReportError as exc:
         raise CommandError(str(exc)) from None
+    report.check_html_target(html_path)  # before the summary: one line, no traceback
     print(report.text_summary(data, int(args.top)))
-    html_path.write_text(report.html_page(data, int(args.top)), encoding="utf-8")
+    report.write_html(html_path, data, int(args.top))
     print(f"\nHTML report: {html_path}")
     return 0
 

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import pyarrow.parquet as pq
 
-from edgebroker_tools.fleet import decode, mqtt5
+from edgebroker_tools.fleet import decode, mqtt5, outputs
 from edgebroker_tools.fleet.inventory import Gateway
 from edgebroker_tools.fleet.progress import Progress
 from edgebroker_tools.fleet.schema import COLLECT_LOG, RETAINED_DIR, STORES_DIR, date_dir, stamp
@@ -179,10 +179,17 @@ async def collect_all(
 def run(
     gateways: list[Gateway], out: Path, opts: Options, show_progress: bool = True
 ) -> list[Outcome]:
-    """Collect into out (created); the collect log is appended to."""
-    out.mkdir(parents=True, exist_ok=True)
-    with (
-        (out / COLLECT_LOG).open("a", encoding="utf-8") as log,
-        Progress(len(gateways), "collect", enabled=show_progress) as bar,
-    ):
+    """Collect into out (created); the collect log is appended to.
+
+    An `out` that is not a directory and cannot be made one, or whose
+    collect log cannot be opened, is an OutputError (one line, naming
+    --out) before any gateway is contacted."""
+    outputs.make_dir(out, "--out")
+    try:
+        log = (out / COLLECT_LOG).open("a", encoding="utf-8")
+    except OSError as exc:
+        raise outputs.OutputError(
+            f"--out {out}: cannot open the collect log {out / COLLECT_LOG}: {exc.strerror or exc}"
+        ) from None
+    with log, Progress(len(gateways), "collect", enabled=show_progress) as bar:
         return asyncio.run(collect_all(gateways, out, opts, bar, log))

@@ -19,8 +19,18 @@ A gateway is read over MQTT (host, port) or, with "store", from a flash
 store file pulled from the board (collected_at: when it was pulled; the
 file's modification time when absent). "board" is a board name
 (boards/<name>.json) or a profile file; "overrides" are profile keys that
-gateway runs with on top of it. The limits the pipeline compares against
-are the effective profile's (schema defaults filled in).
+gateway runs with on top of it (a JSON Merge Patch: null removes a key).
+The profile with its overrides must pass the checker of `edgebroker config
+check` (profiles.check_profile: types, ranges, unknown keys, the cross-key
+checks); a gateway whose profile does not is an inventory error naming the
+gateway, the key, the value and what is allowed, before anything is
+collected. The limits the pipeline compares against are the effective
+profile's (schema defaults filled in).
+
+Every file (inventory, secrets, board profile) must be UTF-8 JSON; one that
+is not, or that holds a number or nesting Python's json cannot take (more
+than sys.get_int_max_str_digits() digits, nesting deeper than the recursion
+limit), is an InventoryError too.
 
 Secrets (JSON, never committed): {"site-a": {"username": "u", "password": "p"}}.
 "credentials" names an entry; a missing entry is an inventory error.
@@ -29,12 +39,13 @@ Secrets (JSON, never committed): {"site-a": {"username": "u", "password": "p"}}.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from edgebroker_tools import profiles
+from edgebroker_tools import profiles, runner
 from edgebroker_tools.fleet.schema import GATEWAY_ID_RE, LIMIT_KEYS
 
 GATEWAY_KEYS: Final = frozenset(
@@ -66,15 +77,37 @@ class Gateway:
 
 
 def _read(path: Path, what: str) -> Any:
+    """A JSON file's content; InventoryError (one line) for anything else."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise InventoryError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise InventoryError(f"{what} {path} is a directory, not a JSON file") from None
     except OSError as exc:
         raise InventoryError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InventoryError(
+            f"{what} {path} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start} (expected UTF-8 JSON)"
+        ) from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InventoryError(
             f"{what} {path} is not valid JSON: {exc.msg} (line {exc.lineno})"
+        ) from None
+    except RecursionError:
+        raise InventoryError(
+            f"{what} {path} is not usable JSON: arrays or objects nested deeper than "
+            f"Python's recursion limit ({sys.getrecursionlimit()}) allows"
+        ) from None
+    except ValueError:  # int("1" * 5000): more digits than Python converts
+        raise InventoryError(
+            f"{what} {path} is not usable JSON: a number with more than "
+            f"{sys.get_int_max_str_digits()} digits"
         ) from None
 
 
@@ -102,29 +135,71 @@ def parse_time(text: str) -> datetime:
 
 
 class _Limits:
-    """Board name or profile path (+ overrides) -> (board name, limits), cached."""
+    """Board name or profile path (+ overrides) -> (board name, limits), cached.
+
+    The profile with the overrides is checked as `edgebroker config check`
+    checks one (profiles.check_profile, with the memory costs when the
+    checkout has them); any error is an InventoryError."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
         self.schema = profiles.load_schema()
-        self.cache: dict[str, tuple[str, dict[str, Any]]] = {}
+        try:
+            self.costs: dict[str, Any] | None = profiles.load_costs()
+        except profiles.ProfileError:
+            self.costs = None  # a checkout without measured costs: as load_checked does
+        self.cache: dict[str, tuple[str, Path, dict[str, Any]]] = {}
+        self.checked: dict[tuple[str, str], dict[str, int | None]] = {}
 
-    def resolve(self, spec: str) -> tuple[str, dict[str, Any]]:
+    def resolve(self, spec: str) -> tuple[str, Path, dict[str, Any]]:
         if spec not in self.cache:
             candidate = self.base / spec
             path = candidate if candidate.is_file() else profiles.resolve_board(spec)
-            profile = profiles.load_profile(path)
-            board = profile.get("board")
-            self.cache[spec] = (board if isinstance(board, str) else path.stem, profile)
+            profile = _read(path, "board profile")
+            if not isinstance(profile, dict):
+                raise InventoryError(f"board profile {path} must hold a JSON object")
+            self.cache[spec] = (runner.board_name(path, profile), path, profile)
         return self.cache[spec]
 
-    def limits(self, profile: dict[str, Any], overrides: dict[str, Any]) -> dict[str, int | None]:
-        eff = profiles.effective(profiles.merge_patch(profile, overrides), self.schema)
-        out: dict[str, int | None] = {}
-        for key in LIMIT_KEYS:
-            value = eff.get(key)
-            out[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
-        return out
+    def limits(
+        self, spec: str, overrides: dict[str, Any], where: str
+    ) -> tuple[str, dict[str, int | None]]:
+        """(board name, limits) of the checked effective profile."""
+        board, path, profile = self.resolve(spec)
+        try:
+            key = (spec, json.dumps(overrides, sort_keys=True))
+            if key not in self.checked:
+                merged = profiles.merge_patch(profile, overrides)
+                report = profiles.check_profile(merged, self.schema, self.costs, board)
+                if report.errors:
+                    source = f"{path} with its overrides" if overrides else str(path)
+                    texts = "; ".join(_short(issue.text) for issue in report.errors)
+                    raise InventoryError(f"{where}: board profile {source}: {texts}")
+                self.checked[key] = _limit_values(report.profile)
+        except RecursionError:
+            raise InventoryError(
+                f"{where}: 'overrides' or board profile {path}: nested too deeply"
+            ) from None
+        return board, self.checked[key]
+
+
+#: An issue longer than this (a huge or deeply nested value shown whole) is
+#: cut in the middle, so that the error stays one readable line.
+LONG_ISSUE: Final = 600
+
+
+def _short(text: str) -> str:
+    if len(text) <= LONG_ISSUE:
+        return text
+    return f"{text[:200]} ... {text[-250:]}"
+
+
+def _limit_values(eff: dict[str, Any]) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for key in LIMIT_KEYS:
+        value = eff.get(key)
+        out[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    return out
 
 
 def load_inventory(path: Path, secrets_path: Path | None = None) -> list[Gateway]:
@@ -180,10 +255,11 @@ def _gateway(
     if not isinstance(overrides, dict):
         raise InventoryError(f"{where}: 'overrides' must be an object")
     try:
-        board, profile = resolver.resolve(spec)
-    except profiles.ProfileError as exc:
-        raise InventoryError(f"{where}: {exc}") from None
-    limits = resolver.limits(profile, overrides)
+        board, limits = resolver.limits(spec, overrides, where)
+    except (profiles.ProfileError, InventoryError) as exc:
+        text = str(exc)  # the profile check's errors name the gateway already
+        named = text if text.startswith(f"{where}: ") else f"{where}: {text}"
+        raise InventoryError(named) from None
     username = password = None
     cred = entry.get("credentials")
     if cred is not None:

@@ -121,6 +121,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from edgebroker_tools.commands import CommandError
 from edgebroker_tools.fleet import decode
 from edgebroker_tools.fleet.hfs import Hfs, join
 from edgebroker_tools.fleet.job_args import Options, add_arguments, options_from
@@ -1563,9 +1564,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--master", default=None, help="only when not run by spark-submit")
     args = parser.parse_args(argv)
-    session, owned = fleet_spark.session(cast("str | None", args.master))
     try:
-        result = build(session, options_from(args))
+        opts = options_from(args)
+        session, owned = fleet_spark.session(cast("str | None", args.master))
+    except CommandError as exc:  # a --boards that is no directory, a Spark that did not start
+        print(f"fleet-job: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = build(session, opts)
     except BuildError as exc:
         print(f"fleet-job: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import cast
 
+from edgebroker_tools.commands import CommandError
+
 
 @dataclass(frozen=True)
 class Options:
@@ -120,7 +122,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class OptionError(CommandError):
+    """A build option that cannot be used (one line, exit 2)."""
+
+
+def check_boards(boards: Path | None) -> Path | None:
+    """--boards: a directory that exists (the advice's patches are checked
+    against its <board>.json); checked before Spark starts."""
+    if boards is not None and not boards.is_dir():
+        what = "not a directory" if boards.exists() else "no such directory"
+        raise OptionError(
+            f"--boards {boards}: {what} (expected a directory of board profiles, "
+            "<board>.json; default: the repo's boards/)"
+        )
+    return boards
+
+
 def options_from(args: argparse.Namespace) -> Options:
+    """The build's options; OptionError for a --boards that is no directory."""
     return Options(
         snapshots=str(args.snapshots),
         out=str(args.out),
@@ -128,7 +147,7 @@ def options_from(args: argparse.Namespace) -> Options:
         near=float(args.near),
         headroom=float(args.headroom),
         stale_after=timedelta(hours=float(args.stale_after)),
-        boards=cast("Path | None", args.boards),
+        boards=check_boards(cast("Path | None", args.boards)),
         min_gateways=int(args.min_gateways),
         min_collections=int(args.min_collections),
         progress=not args.no_progress,

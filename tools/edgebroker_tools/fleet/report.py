@@ -16,6 +16,10 @@ are inline SVG and its tables plain HTML. In reading order:
 4. Trends over the collections of the worst gateways (sparklines).
 5. Per board: histograms of each utilisation (gateways per bin, with axes).
 6. Stale topics, 7. limits advice (with the reason for every suggestion).
+
+check_html_target() checks the page's path before the warehouse is read and
+write_html() writes it; either raises outputs.OutputError (one line naming
+--html) instead of an OSError.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from html import escape
+from pathlib import Path
 from typing import Any, Final, cast
 
 import pyarrow as pa
@@ -31,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from edgebroker_tools.fleet import hfs, svg
+from edgebroker_tools.fleet import hfs, outputs, svg
 from edgebroker_tools.fleet.schema import COMMITS, PATCHES, latest_commit
 
 STALE_REASONS: Final = ("gone", "expired", "gateway_silent")
@@ -741,3 +746,14 @@ def html_page(data: Data, top: int = 10) -> str:
         f"{_utilisation(data)}{_stale(data, top)}{_advice(data)}"
         "</body></html>\n"
     )
+
+
+def check_html_target(path: Path) -> None:
+    """Before the warehouse is read: --html names a file in a directory that
+    exists (outputs.OutputError, one line, otherwise)."""
+    outputs.check_file(path, "--html")
+
+
+def write_html(path: Path, data: Data, top: int = 10) -> None:
+    """The page at path; an unusable path is an outputs.OutputError naming --html."""
+    outputs.write_text(path, html_page(data, top), "--html")

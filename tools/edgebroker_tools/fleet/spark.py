@@ -8,12 +8,17 @@ this interpreter (PYSPARK_PYTHON), and with a local master everything binds
 to 127.0.0.1 with no UI. ship_code() adds lib/edgestore.py and a zip of
 this package to the SparkContext, so executors that do not have the package
 installed (a real cluster) can still run decode.ingest().
+
+A master or driver memory Spark would not take, and a Spark that does not
+start, are a SparkStartError (the commands' CommandError: one line, exit 2);
+the master and memory are checked before a JVM is started.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -22,6 +27,8 @@ from pathlib import Path
 from typing import Final
 
 from pyspark.sql import SparkSession
+
+from edgebroker_tools.commands import CommandError
 
 #: Settings the build's results depend on: job.build() sets them on any session.
 REQUIRED_CONF: Final = {
@@ -65,15 +72,22 @@ def session(
 
     Under spark-submit (the JVM is already running) the master, memory and
     every --conf come from spark-submit; only settings it left unset get
-    this module's defaults.
+    this module's defaults. A master or (local) driver memory Spark would
+    not take is a SparkStartError before anything starts, as is a Spark
+    that fails to start.
     """
+    if master is not None:  # a bad option is refused even when a session is active
+        check_master(master)
+    if master is None or master.startswith("local"):
+        check_memory(driver_memory)
     _python_env()
     active = SparkSession.getActiveSession()
     if active is not None:
         return active, False
     builder = SparkSession.builder.appName(app)
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # we start the JVM ourselves
-        local = master is None or master.startswith("local")
+    ours = "PYSPARK_GATEWAY_PORT" not in os.environ  # we start the JVM ourselves
+    local = ours and (master is None or master.startswith("local"))
+    if ours:
         if master is not None:
             builder = builder.master(master)
         for key, value in LOCAL_CONF.items():
@@ -83,7 +97,13 @@ def session(
             builder = builder.config("spark.driver.host", LOOPBACK)
             builder = builder.config("spark.driver.bindAddress", LOOPBACK)
             builder = builder.config("spark.driver.memory", driver_memory)
-    spark = builder.getOrCreate()
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:  # Py4J's, PySpark's and the JVM's errors alike: one line
+        given = [f"--master {master}"] if ours and master is not None else []
+        given += [f"--driver-memory {driver_memory}"] if local else []
+        with_ = f" with {' '.join(given)}" if given else ""
+        raise SparkStartError(f"Spark did not start{with_}: {_reason(exc)}") from None
     spark.sparkContext.setLogLevel("ERROR")
     conf = spark.sparkContext.getConf()
     defaults = dict(DEFAULT_CONF)
@@ -95,6 +115,45 @@ def session(
         if not conf.contains(key):
             spark.conf.set(key, value)
     return spark, True
+
+
+class SparkStartError(CommandError):
+    """Spark could not start with the master or memory given (one line, exit 2)."""
+
+
+#: What spark-submit takes as a master (SparkSubmit: "Master must either be
+#: yarn or start with spark, k8s, or local"); anything else ends its JVM.
+MASTER_HINT: Final = (
+    "expected yarn or a master starting with local, spark or k8s: local, local[*], local[2], "
+    "local-cluster[2,1,1024], spark://HOST:7077, k8s://https://HOST:443"
+)
+#: spark.driver.memory as Spark documents it ("JVM memory strings with a size
+#: unit suffix"): the launcher passes it on as -Xmx, where no unit means bytes.
+MEMORY_RE: Final = re.compile(r"[0-9]+[kmgt]", re.IGNORECASE)
+
+
+def check_master(master: str) -> None:
+    """--master in a form spark-submit accepts, checked before a JVM is started."""
+    if master != "yarn" and not master.startswith(("local", "spark", "k8s")):
+        raise SparkStartError(f"--master {master!r}: {MASTER_HINT}")
+
+
+def check_memory(memory: str) -> None:
+    """--driver-memory in a form the JVM accepts (4g, 512m), checked before it starts."""
+    if MEMORY_RE.fullmatch(memory) is None:
+        raise SparkStartError(
+            f"--driver-memory {memory!r}: expected a number and a unit k, m, g or t, e.g. 4g, 512m"
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line that says why: a Java exception's message, else the error's first line."""
+    lines = [line.strip().lstrip(":").strip() for line in str(exc).splitlines()]
+    for line in lines:
+        found = re.match(r"[\w.$]+(?:Exception|Error): (.+)", line)
+        if found:
+            return found.group(1)
+    return next((line for line in lines if line), type(exc).__name__)
 
 
 def user_set(spark: SparkSession, key: str) -> bool:

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from edgebroker_tools import profiles
-from edgebroker_tools.fleet import props
+from edgebroker_tools.fleet import outputs, props
 from edgebroker_tools.fleet.schema import (
     LIMIT_KEYS,
     RETAINED_DIR,
@@ -392,8 +392,12 @@ def generate(
     per_file: int = 1000,
     missing: float = 0.01,
 ) -> Result:
-    """Write the synthetic snapshots under out/retained/; see the module docstring."""
+    """Write the synthetic snapshots under out/retained/; see the module docstring.
+
+    An `out` that cannot be created or written is an OutputError (one line,
+    naming --out), checked before any data is made."""
     t0 = time.monotonic()
+    outputs.make_dir(out, "--out")
     fleet = Fleet(gateways, topics, seed, missing)
     files = rows = sys_rows = 0
     for k in range(snapshots):
@@ -402,8 +406,7 @@ def generate(
             fleet.advance(int(interval.total_seconds()))
         table, present, gid = fleet.collection(when)
         keep = present[gid]
-        folder = out / RETAINED_DIR / date_dir(when)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = outputs.make_dir(out / RETAINED_DIR / date_dir(when), "--out")
         bounds = np.searchsorted(gid, np.arange(0, gateways + per_file, per_file))
         for c in range(len(bounds) - 1):
             lo, hi = int(bounds[c]), int(bounds[c + 1])
@@ -421,6 +424,9 @@ def generate(
             sys_rows += n_sys
             rows += part.num_rows - topic.null_count - n_sys
             name = folder / f"synth-{k:03d}-{c:05d}.parquet"
-            pq.write_table(part, name, compression="zstd", row_group_size=256 * 1024)
+            try:
+                pq.write_table(part, name, compression="zstd", row_group_size=256 * 1024)
+            except OSError as exc:  # pyarrow's errors are OSErrors: read-only, disk full
+                raise outputs.OutputError(f"--out {out}: cannot write {name}: {exc}") from None
             files += 1
     return Result(rows, sys_rows, files, time.monotonic() - t0)
