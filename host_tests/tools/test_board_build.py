@@ -162,6 +162,42 @@ def test_frozen_build_ships_no_frozen_module(tmp_path):
     assert "lib/edgebroker.mpy" in {f.remote for f in plain.files}
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[" * 50000 + b"]" * 50000,
+                                     b'{"files": ' + b"9" * 5000 + b"}"],
+                         ids=["not-utf8", "nested-50000", "5000-digits"])
+def test_an_unreadable_manifest_is_a_stale_build(tmp_path, content):
+    """dist/<board>/manifest.json that cannot be read (was: a traceback for
+    the nested one): the build is stale and made again."""
+    (tmp_path / "esp32").mkdir()
+    (tmp_path / "esp32" / build_cmd.MANIFEST).write_bytes(content)
+    assert build_cmd.read_manifest(tmp_path / "esp32") is None
+    assert not build_cmd.is_current(build_cmd.load_target("esp32"), tmp_path / "esp32")
+
+
+def test_build_into_a_directory_it_cannot_make(tmp_path):
+    """--dist checked before the build (a file, or inside one), and a
+    directory the build cannot make: one CommandError line, not an OSError."""
+    afile = tmp_path / "bad1.json"
+    afile.write_text("{}")
+    for dist in (afile, afile / "sub"):
+        with pytest.raises(build_cmd.CommandError, match="must be a directory, or a path"):
+            build_cmd.check_dist(dist)
+    build_cmd.check_dist(tmp_path / "new" / "dist")  # made when built
+    with pytest.raises(build_cmd.CommandError, match=r"cannot make .*bad1.json/esp32"):
+        build_cmd.build(build_cmd.load_target("esp32"), afile)
+
+
+def test_set_value_past_the_json_limits():
+    """A --set value as the broker reads it (JSON, else the string), and one
+    past the reader's limits refused naming the key."""
+    assert build_cmd.parse_value("[1, 2]") == [1, 2]
+    assert build_cmd.parse_value("abc") == "abc"
+    with pytest.raises(build_cmd.profiles.ProfileError, match="nested more than 32 levels"):
+        build_cmd.parse_value("[" * 50000 + "]" * 50000)
+    with pytest.raises(build_cmd.profiles.ProfileError, match=r"\(5000 digits\)"):
+        build_cmd.parse_value("9" * 5000)
+
+
 LAUNCH = r"""
 import sys
 sys.path.insert(0, %(dir)r)

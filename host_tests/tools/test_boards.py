@@ -12,6 +12,8 @@ limits, through the real `edgebroker config` command.
 """
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +151,10 @@ BROKEN = [
      "code_budget_bytes = 32768", "must be >="),
     ("reserve_too_small", {"fs_reserve_bytes": 4096}, "fs_reserve_bytes",
      "fs_reserve_bytes = 4096", "must be >="),
+    # was: ignored (the broker listens in plain text and never asks for a certificate)
+    ("client_ca_without_cert", {"tls_client_ca": "/ca.pem"}, "tls_client_ca",
+     'tls_client_ca = "/ca.pem"', "needs tls_cert (client certificates are checked only by "
+     "a TLS listener); tls_cert is empty on esp32"),
 ]
 
 
@@ -286,6 +292,65 @@ def test_profile_that_cannot_fit_the_esp32_heap_is_refused(tmp_path):
     # the breakdown shows what it is made of
     for item in ("code", "clients", "sessions", "retained", "heap_reserve"):
         assert "    %s " % item in r.stderr
+
+
+def test_verbose_items_add_up():
+    """Was: `retained 3638 index of 256 entries x 4` (256 x 4 = 1,024: the
+    store's fixed cost was not named). Each line says what its figure is."""
+    r = config("check", "-v", *[str(p) for p in PROFILES])
+    items = re.findall(r"^    (retained|file) +(\d+)  (.*)$", r.stdout + r.stderr, re.MULTILINE)
+    kinds = set()
+    for name, figure, how in items:
+        m = (re.fullmatch(r"fixed (\d+) \+ index of (\d+) entries x (\d+) \(disc_only\)", how)
+             or re.fullmatch(r"fixed (\d+) \+ (\d+) messages x (\d+) \+ (\d+) data bytes, "
+                             r"in RAM \((?:ram|disc)\)", how)
+             or re.fullmatch(r"live (\d+) / \(1 - ([0-9.]+)\) before compaction", how))
+        if m is None:
+            assert name == "retained" and how == "retain_available is false", how
+            continue
+        n = [float(x) for x in m.groups()]
+        if how.startswith("fixed") and len(n) == 3:
+            kinds.add("disc_only")
+            assert n[0] + n[1] * n[2] == int(figure), how
+        elif how.startswith("fixed"):
+            kinds.add("in RAM")
+            assert n[0] + n[1] * n[2] + n[3] == int(figure), how
+        else:
+            kinds.add("file")
+            assert math.ceil(n[0] / (1 - n[1])) == int(figure), how
+    assert kinds == {"disc_only", "in RAM", "file"}, items
+    # a file that the compact_min_bytes floor makes larger says so
+    prof = profiles.load_profile(BOARDS / "esp32.json")
+    cfg = profiles.effective(dict(prof, compact_min_bytes=1000000), SCHEMA)
+    item = profiles.flash_breakdown(cfg)[0]
+    live = int(re.search(r"live (\d+)", item.how).group(1))
+    assert item.how == "compact_min_bytes 1000000 + live %d before compaction" % live
+    assert item.bytes == 1000000 + live
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"\xff\xfe{}", "is not UTF-8 text: byte 0xff at offset 0 (JSON files must be UTF-8)"),
+    (b'{"max_clients": ' + b"9" * 5000 + b"}",
+     "max_clients = 999999999999...9999 (5000 digits): must be an integer in 1..65535"),
+    (b'{"bridges": [{"name": "a", "port": -' + b"1" * 5000 + b"}]}",
+     "bridges[0].port = -11111111111...1111 (5000 digits): must be an integer in 1..65535"),
+    (b'{"compact_ratio": 1e999}', "compact_ratio = 1e999: must be a number in 0.05..0.95"),
+    (b'{"compact_ratio": NaN}', "is not valid JSON: NaN is not a JSON value"),
+    (b'{"acl": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+     "acl = [[[[[[[[[[[[[[[[...: nested more than 32 levels deep; must be at most 32 levels "
+     "of arrays and objects"),
+    (b'{"acl": ' + b"[" * 900 + b"]" * 900 + b"}", "acl = [[[["),  # within Python's own limit
+], ids=["not-utf8", "5000-digits", "5000-digits-nested", "inf", "nan", "nested-100000",
+        "nested-900"])
+@pytest.mark.parametrize("action", [["check"], ["show"], ["apply", "esp32"]], ids=lambda a: a[0])
+def test_unreadable_file_is_one_line_exit_2(tmp_path, content, says, action):
+    """Was: a traceback (UnicodeDecodeError, ValueError, RecursionError), exit 1."""
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    r = config(*action, str(path), check=2)
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and says in lines[0], lines
 
 
 def test_check_reports_heap_and_flash_sums():

@@ -8,6 +8,11 @@
   broker's own one-line error passed through unchanged;
 - a heap too small for the build (`emulate`), saying the minimum;
 - a serial port that does not exist (`flash`);
+- a profile file that is not UTF-8, an integer of 5,000 digits or arrays
+  nested thousands deep, in a file or a `--set` value (every command);
+- a --dist that is a file or cannot be made (`build`, `flash`);
+- a --watch out of range, a secrets file with an unknown key or a wrong
+  type (`flash`);
 - a reader that goes away (`... | head`): the command stops quietly.
 """
 
@@ -116,6 +121,142 @@ def test_flash_set_bad_value(tmp_path):
     line = one_line_error(r, "flash")
     assert "maximum_qos = 3: must be 0..2" in line
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------- files the tools cannot read
+DEEP = "[" * 50000 + "]" * 50000  # ~100 KB: an argument may be 128 KB
+DIGITS = "9" * 5000  # past Python's 4,300-digit limit for reading an integer
+
+#: Every command that reads a board profile, with what it needs besides.
+PROFILE_COMMANDS = [
+    (["run", "--interpreter", "cpython", "--board"], []),
+    (["emulate"], []),
+    (["build"], ["--dist", "{tmp}/dist"]),
+    (["flash"], ["--port", "/dev/ttyUSB9", "--dry-run", "--dist", "{tmp}/dist"]),
+    (["config", "check"], []),
+    (["config", "show"], []),
+    (["config", "apply", "esp32"], []),  # the file is the patch here
+]
+UNREADABLE = [
+    ("not-utf8", b"\xff\xfe{}", ["is not UTF-8 text: byte 0xff at offset 0"]),
+    ("5000-digits", ('{"max_clients": %s}' % DIGITS).encode(),
+     ["max_clients = 999999999999...9999 (5000 digits): must be an integer in 1..65535"]),
+    ("nested-50000", ('{"acl": %s}' % DEEP).encode(),
+     ["acl = [[[[", "nested more than 32 levels deep; must be at most 32 levels"]),
+]
+
+
+@pytest.mark.parametrize("cmd,extra", PROFILE_COMMANDS, ids=lambda c: "-".join(c) if c else "")
+@pytest.mark.parametrize("name,content,says", UNREADABLE, ids=[u[0] for u in UNREADABLE])
+def test_unreadable_profile_file_is_one_line(tmp_path, cmd, extra, name, content, says):
+    """Was: a UnicodeDecodeError, ValueError or RecursionError traceback, exit 1."""
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    args = [a.format(tmp=tmp_path) for a in extra]
+    r = edgebroker(*cmd, str(path), *args)
+    line = one_line_error(r, cmd[0])
+    assert str(path) in line, line
+    for text in says:
+        assert text in line, line
+    assert len(line) < 400, line  # the value is shortened, not repeated whole
+    assert not (tmp_path / "dist").exists()
+
+
+@pytest.mark.parametrize("cmd", [
+    ["run", "--interpreter", "cpython"],
+    ["emulate", "esp32"],
+    ["build", "esp32"],
+    ["flash", "esp32", "--port", "/dev/ttyUSB9", "--dry-run"],
+], ids=lambda c: c[0])
+@pytest.mark.parametrize("value,says", [
+    ("acl=" + DEEP, "--set acl = [[[[[[[[[[[[[[[[...: nested more than 32 levels deep"),
+    ("max_clients=" + DIGITS,
+     "--set max_clients = 999999999999...9999 (5000 digits): must be an integer in 1..65535"),
+    ('acl=[{"who": "all", "access": "read", "topic": %s}]' % DIGITS,
+     "--set acl[0].topic = 999999999999...9999 (5000 digits): must be a string"),
+], ids=["nested-50000", "5000-digits", "5000-digits-in-acl"])
+def test_set_value_past_the_json_limits_is_one_line(tmp_path, cmd, value, says):
+    """Was: a RecursionError traceback, or the 5,000 digits read as a string."""
+    r = edgebroker(*cmd, "--set", value, "--dist" if cmd[0] in ("build", "flash") else
+                   "--data-dir", str(tmp_path / "out"))
+    line = one_line_error(r, cmd[0])
+    assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ --dist
+@pytest.mark.parametrize("cmd", [["build"], ["flash", "--port", "/dev/ttyUSB9", "--dry-run"]],
+                         ids=lambda c: c[0])
+def test_dist_that_is_a_file(tmp_path, cmd):
+    """Was: NotADirectoryError (build); flash printed a plan that could not work."""
+    afile = tmp_path / "bad1.json"
+    afile.write_text("{}")
+    for dist, says in ((afile, "is a file, not a directory"),
+                       (afile / "sub", "is inside %s, which is a file" % afile)):
+        r = edgebroker(cmd[0], "esp32", *cmd[1:], "--dist", str(dist))
+        line = one_line_error(r, cmd[0])
+        assert "--dist %s: %s" % (dist, says) in line, line
+        assert "must be a directory, or a path where one can be made" in line
+    assert afile.read_text() == "{}"
+
+
+def test_build_dist_that_cannot_be_made():
+    """Was: FileNotFoundError traceback."""
+    r = edgebroker("build", "esp32", "--dist", "/proc/nope")
+    line = one_line_error(r, "build")
+    assert "cannot make /proc/nope/esp32: No such file or directory (choose another --dist)" \
+        in line, line
+
+
+# ------------------------------------------------------- flash options, secrets
+@pytest.mark.parametrize("watch", ["-1", "nan", "inf", "3601", "soon"])
+def test_flash_watch_out_of_range(tmp_path, watch):
+    """Was: --watch -1 accepted."""
+    r = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dry-run",
+                   "--dist", str(tmp_path), "--watch=" + watch)
+    line = one_line_error(r, "flash")
+    assert line.startswith("edgebroker flash: error: argument --watch: ")
+    assert watch in line and "must be 0..3600 seconds (0: do not reset)" in line, line
+
+
+def test_flash_watch_in_range(tmp_path):
+    r = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dry-run",
+                   "--dist", str(tmp_path), "--watch", "0")
+    assert r.returncode == 0, r.stderr
+    assert "soft reset" not in r.stdout
+
+
+def test_flash_secrets_unknown_key_and_wrong_type(tmp_path):
+    """Was: {"wifi_ssid": 5, "bogus": 1} accepted, only the port refused."""
+    secrets = tmp_path / "s.json"
+    secrets.write_text(json.dumps({"wifi_ssid": 5, "bogus": 1, "wifi_pasword": "pw",
+                                   "users": {"ann": 7}, "bridges": []}))
+    r = edgebroker("flash", "esp32", "--port", str(tmp_path / "ttyUSB9"), "--secrets",
+                   str(secrets), "--dist", str(tmp_path / "dist"))
+    line = one_line_error(r, "flash")
+    assert "secrets file %s: " % secrets in line
+    assert "wifi_ssid = 5: must be a string, not integer" in line
+    assert "bogus = 1: unknown key (a secrets file has wifi_ssid, wifi_password, " \
+        "ap_password, users, bridges)" in line
+    assert 'wifi_pasword = "pw": unknown key (did you mean wifi_password?' in line
+    assert "users.ann = 7: must be a string, not integer" in line
+    assert "bridges = []: must be an object, not array" in line
+    assert "serial port" not in line  # refused before the port is looked at
+    assert not (tmp_path / "dist").exists()
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (('{"wifi_ssid": %s}' % DEEP).encode(), "wifi_ssid = [[[["),
+    (('{"wifi_ssid": %s}' % DIGITS).encode(), "wifi_ssid = 999999999999...9999 (5000 digits)"),
+], ids=["not-utf8", "nested-50000", "5000-digits"])
+def test_flash_unreadable_secrets_file(tmp_path, content, says):
+    secrets = tmp_path / "s.json"
+    secrets.write_bytes(content)
+    r = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--secrets", str(secrets),
+                   "--dist", str(tmp_path / "dist"), "--dry-run")
+    line = one_line_error(r, "flash")
+    assert "secrets file %s" % secrets in line and says in line, line
 
 
 # ------------------------------------------------------------ port in use

@@ -168,6 +168,27 @@ def test_passwd_refuses_a_file_that_is_not_an_object(tmp_path):
     assert f.read_text() == "[1, 2]"
 
 
+@pytest.mark.parametrize("content,says", [
+    (b"\xff\xfe{}", "is not UTF-8 text: byte 0xff at offset 0"),
+    (b'{"users": ' + b"[" * 50000 + b"]" * 50000 + b"}",
+     "users = [[[[[[[[[[[[[[[[...: nested more than 32 levels deep"),
+    (b'{"x": ' + b"9" * 5000 + b"}",
+     "x = 999999999999...9999 (5000 digits): too large to read; a number must be at "
+     "most 4300 digits"),
+], ids=["not-utf8", "nested-50000", "5000-digits"])
+def test_passwd_refuses_a_file_it_cannot_read_in_one_line(tmp_path, content, says):
+    """Was: a UnicodeDecodeError, RecursionError or ValueError traceback, exit 1."""
+    f = tmp_path / "s.json"
+    f.write_bytes(content)
+    r = edgebroker("passwd", "gw", "--file", str(f), stdin_text="pw\n")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgebroker passwd: error: file %s" % f), lines
+    assert says in lines[0], lines[0]
+    assert f.read_bytes() == content
+
+
 # ------------------------------------------------------------- config check
 def check(tmp_path, change):
     prof = json.loads((REPO / "boards" / "esp32.json").read_text())

@@ -17,6 +17,7 @@ The stand-in board's files are placed directly in its sandbox from an
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -524,3 +525,24 @@ def test_manifest_freezes_every_board_module():
     assert board == {"gateway.py", "gwboot.py", "userapp.py"}
     assert board <= names
     assert not {"boot.py", "main.py"} & names  # they stay on the filesystem
+
+
+def test_flash_knows_every_secrets_key_the_firmware_reads():
+    """`edgebroker flash` refuses a secrets file key it does not know (was:
+    any key, any type): its list must hold every key the example ships,
+    the gateway reads (gwboot: s.get("...")) and the broker merges
+    (edgeconf.with_secrets: users, bridges), with the example's types."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from edgebroker_tools.commands import flash
+
+    example = json.loads((REPO / "firmware" / "secrets.example.json").read_text())
+    assert set(example) == set(flash.SECRET_KEYS)
+    assert flash.secrets_issues(example) == []
+    read = set(re.findall(r'\bs\.get\("(\w+)"\)', (REPO / "firmware" / "gwboot.py").read_text()))
+    assert read and read <= set(flash.SECRET_KEYS), read
+    assert {"users", "bridges"} <= set(flash.SECRET_KEYS)
+    assert flash.secrets_issues({"wifi_ssid": 5, "bogus": 1}) == [
+        "wifi_ssid = 5: must be a string, not integer",
+        "bogus = 1: unknown key (a secrets file has wifi_ssid, wifi_password, ap_password, "
+        "users, bridges)",
+    ]

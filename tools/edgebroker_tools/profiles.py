@@ -25,6 +25,7 @@ import difflib
 import json
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,30 +165,236 @@ def resolve_board(spec: str) -> Path:
     raise ProfileError(f"unknown board {spec!r}: expected a file or one of {known}")
 
 
-def _read_json(path: Path, what: str) -> Any:
+#: How deep arrays and objects may nest in a JSON file or `--set` value the
+#: tools read. A profile nests 5 levels (bridges[i].topics[j].key), the
+#: schema 10; a deeper value is refused in one line before any parser or
+#: check recurses into it (Python's own JSON reader stops near 1,000 levels
+#: with a RecursionError, the checks sooner).
+MAX_JSON_DEPTH: Final = 32
+#: The most digits an integer in a JSON file or `--set` value may have:
+#: Python's default limit for reading one (sys.get_int_max_str_digits());
+#: no profile value comes near it.
+MAX_INT_DIGITS: Final = 4300
+
+#: A JSON string (escapes included), or one of the characters that open,
+#: close or separate arrays and objects.
+_JSON_TOKEN: Final = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:,]')
+
+
+class JsonLimitError(ProfileError):
+    """JSON the tools refuse to read (nested too deep, a number too large):
+    `text` names the key, the value and the limit, without the file."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class _UndecodableError(ValueError):
+    """Not JSON at all (the reason is the message)."""
+
+
+class _TooLarge(str):
+    """Stands in for a number the reader refuses while it parses (so that
+    the key holding it can be named): the number's own text."""
+
+
+def _abbrev(text: str, keep: int = 16) -> str:
+    text = text.strip()
+    return text if len(text) <= keep + 8 else f"{text[:keep]}..."
+
+
+def _too_deep(text: str, root: str) -> str | None:
+    """The key (or root) whose value nests past MAX_JSON_DEPTH, with its
+    value abbreviated, or None. A scan of the text, without recursion."""
+    depth = 0
+    last = ""
+    key = root
+    start = 0
+    for m in _JSON_TOKEN.finditer(text):
+        tok = m.group()
+        if tok in ("[", "{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return f"{key or 'the value'} = {_abbrev(text[start:])}"
+        elif tok in ("]", "}"):
+            depth -= 1
+        elif tok == ":" and depth == 1 and not root:
+            try:
+                key = str(json.loads(last))
+            except ValueError:
+                key = last
+            start = m.end()
+        elif tok.startswith('"'):
+            last = tok
+    return None
+
+
+def _sub_schema(
+    schema: Mapping[str, Any] | None, parts: list[str | int]
+) -> Mapping[str, Any] | None:
+    """The schema of the value at a key path (names and indexes), if known."""
+    node: Any = schema
+    for part in parts:
+        if not isinstance(node, Mapping):
+            return None
+        if isinstance(part, int):
+            node = node.get("items")
+            continue
+        props = node.get("properties")
+        extra = node.get("additionalProperties")
+        if isinstance(props, Mapping) and part in props:
+            node = props[part]
+        elif isinstance(extra, Mapping):
+            node = extra
+        else:
+            return None
+    return node if isinstance(node, Mapping) else None
+
+
+def _find_too_large(data: Any) -> tuple[list[str | int], _TooLarge] | None:
+    """The first _TooLarge in decoded JSON and its key path (no recursion:
+    the depth is bounded by MAX_JSON_DEPTH already, but a stack is as short)."""
+    stack: list[tuple[list[str | int], Any]] = [([], data)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, _TooLarge):
+            return path, node
+        if isinstance(node, dict):
+            items: list[tuple[str | int, Any]] = list(node.items())
+        elif isinstance(node, list):
+            items = list(enumerate(node))
+        else:
+            continue
+        stack.extend(([*path, k], v) for k, v in reversed(items))
+    return None
+
+
+def _path_text(root: str, parts: list[str | int]) -> str:
+    out = root
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "the value"
+
+
+def decode_json(text: str, root: str = "", schema: Mapping[str, Any] | None = None) -> Any:
+    """json.loads for input the tools are given (profiles, patches, secrets,
+    `--set` values), with limits that make a bad one a one-line error:
+
+    - arrays and objects nested deeper than MAX_JSON_DEPTH, an integer of
+      more than MAX_INT_DIGITS digits, a number beyond a float's range:
+      JsonLimitError naming the key (root is the key of a `--set` value),
+      the value abbreviated and what is allowed (from schema, the profile
+      schema, when given);
+    - anything that is not JSON (NaN and Infinity included): _UndecodableError."""
+    deep = _too_deep(text, root)
+    if deep is not None:
+        raise JsonLimitError(
+            f"{deep}: nested more than {MAX_JSON_DEPTH} levels deep; must be at most "
+            f"{MAX_JSON_DEPTH} levels of arrays and objects"
+        )
+    made: list[bool] = []
+
+    def parse_int(s: str) -> Any:
+        if len(s.lstrip("-")) > MAX_INT_DIGITS:
+            made.append(True)
+            return _TooLarge(s)
+        return int(s)
+
+    def parse_float(s: str) -> Any:
+        value = float(s)
+        if not math.isfinite(value):
+            made.append(True)
+            return _TooLarge(s)
+        return value
+
+    def parse_constant(s: str) -> Any:
+        raise _UndecodableError(f"{s} is not a JSON value")
+
     try:
-        text = path.read_text(encoding="utf-8")
+        data = json.loads(
+            text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant
+        )
+    except json.JSONDecodeError as exc:
+        raise _UndecodableError(f"{exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:  # not reached below MAX_JSON_DEPTH; kept as a guard
+        raise JsonLimitError(
+            f"{root or 'the value'}: nested too deeply; must be at most {MAX_JSON_DEPTH} levels"
+        ) from None
+    except ValueError as exc:  # the hooks', or int()'s own digit limit
+        raise _UndecodableError(str(exc)) from None
+    if made:
+        found = _find_too_large(data)
+        if found is not None:
+            parts, number = found
+            raise JsonLimitError(_too_large_text(_path_text(root, parts), number, parts, schema))
+    return data
+
+
+def _too_large_text(
+    key: str, number: str, parts: list[str | int], schema: Mapping[str, Any] | None
+) -> str:
+    digits = len(number.lstrip("-"))
+    if re.fullmatch(r"-?[0-9]+", number):
+        shown = f"{number[:12]}...{number[-4:]} ({digits} digits)"
+        limit = f"at most {MAX_INT_DIGITS} digits"
+    else:
+        shown = _abbrev(number, 24)
+        limit = f"within +-{sys.float_info.max:.4g}"
+    sub = _sub_schema(schema, parts)
+    want = sub.get("type") if sub is not None else None
+    if sub is not None and isinstance(want, str):
+        return f"{key} = {shown}: must be {_allowed(want, sub)}"
+    return f"{key} = {shown}: too large to read; a number must be {limit}"
+
+
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file, or ProfileError in one line naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ProfileError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{what} {path} is a directory, not a file") from None
     except OSError as exc:
         raise ProfileError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start : exc.start + 1].hex()
         raise ProfileError(
-            f"{what} {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+            f"{what} {path} is not UTF-8 text: byte 0x{byte} at offset {exc.start} "
+            "(JSON files must be UTF-8)"
         ) from None
 
 
+def read_json(path: Path, what: str, schema: Mapping[str, Any] | None = None) -> Any:
+    """A JSON file through decode_json: every problem is one ProfileError
+    line naming the file (and the key, for a value past a limit)."""
+    text = read_text(path, what)
+    try:
+        return decode_json(text, schema=schema)
+    except JsonLimitError as exc:
+        raise JsonLimitError(f"{what} {path}: {exc.text}") from None
+    except _UndecodableError as exc:
+        raise ProfileError(f"{what} {path} is not valid JSON: {exc}") from None
+
+
 def load_profile(path: Path) -> Profile:
-    data = _read_json(path, "board profile")
+    try:
+        data = read_json(path, "board profile")
+    except JsonLimitError:
+        # a number too large: read again with the schema, to say its key's range
+        try:
+            schema: Schema | None = load_schema()
+        except ProfileError:
+            schema = None
+        data = read_json(path, "board profile", schema)
     if not isinstance(data, dict):
         raise ProfileError(f"board profile {path} must hold a JSON object, not {_jtype(data)}")
     return data
 
 
 def load_schema(path: Path | None = None) -> Schema:
-    data = _read_json(path or schema_path(), "schema")
+    data = read_json(path or schema_path(), "schema")
     if not isinstance(data, dict) or not isinstance(data.get("properties"), dict):
         raise ProfileError(f"schema {path or schema_path()} has no properties")
     return data
@@ -196,7 +403,7 @@ def load_schema(path: Path | None = None) -> Schema:
 def load_costs(path: Path | None = None) -> dict[str, Any]:
     target = path or costs_path()
     try:
-        data = _read_json(target, "memory cost file")
+        data = read_json(target, "memory cost file")
     except ProfileError as exc:
         raise ProfileError(f"{exc} (run `make measure-memory`)") from None
     if not isinstance(data, dict) or not isinstance(data.get("costs"), dict):
@@ -756,7 +963,13 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
         per = _cost(costs, "retained", store, "per_message")
         if not 0 < cap < INDEX_PREALLOC:
             per *= 2  # wide entries (array 'Q'): no limit, or 16,384 and more
-        items.append(HeapItem("retained", fixed + slots * per, f"index of {slots} entries x {per}"))
+        items.append(
+            HeapItem(
+                "retained",
+                fixed + slots * per,
+                f"fixed {fixed} + index of {slots} entries x {per} ({store})",
+            )
+        )
     else:
         fixed = _cost(costs, "retained", store, "fixed")
         over = _cost(costs, "retained", store, "overhead")
@@ -767,7 +980,11 @@ def heap_breakdown(cfg: Mapping[str, Any], costs: Mapping[str, Any]) -> list[Hea
             data = min(data, budget)
         total = fixed + n * over + data
         items.append(
-            HeapItem("retained", total, f"{n} messages in RAM ({store}): {data} data bytes")
+            HeapItem(
+                "retained",
+                total,
+                f"fixed {fixed} + {n} messages x {over} + {data} data bytes, in RAM ({store})",
+            )
         )
     for b in _bridges(cfg):
         per = (
@@ -842,10 +1059,17 @@ def flash_breakdown(cfg: Mapping[str, Any]) -> list[HeapItem]:
     n = retained_count(cfg) or 0
     live = FILE_HEADER + int(cfg["store_budget_bytes"]) + n * PUT_OVERHEAD + CLOCK_RECORD
     ratio = float(cfg["compact_ratio"])
-    grown = max(math.ceil(live / (1 - ratio)), int(cfg["compact_min_bytes"]) + live)
+    by_ratio = math.ceil(live / (1 - ratio))
+    floor = int(cfg["compact_min_bytes"])
+    grown = max(by_ratio, floor + live)
+    how = (
+        f"live {live} / (1 - {ratio}) before compaction"
+        if by_ratio >= floor + live
+        else f"compact_min_bytes {floor} + live {live} before compaction"
+    )
     group = int(cfg["max_clients"]) * (int(cfg["io_chunk"]) + int(cfg["max_packet_size"]))
     return [
-        HeapItem("file", grown, f"live {live} / (1 - {ratio}) before compaction"),
+        HeapItem("file", grown, how),
         HeapItem("writes", group, "one loop's writes before the compaction check"),
         HeapItem(".new", live, "compaction copy"),
         HeapItem("blocks", 2 * FS_BLOCK, "littlefs block rounding"),
@@ -904,6 +1128,15 @@ def check_profile(
             f"tls_cert = {show(cfg['tls_cert'])}: a TLS listener needs heap_bytes >= "
             f"{TLS_MIN_HEAP} (a handshake takes about 40 KB); heap_bytes is "
             f"{cfg['heap_bytes']}{on} (a board with PSRAM, e.g. esp32s3)",
+        )
+
+    # -- client certificates are asked for only by a TLS listener (tls_cert):
+    # without one the broker would listen in plain text and never use the CA
+    if ok("tls_client_ca", "tls_cert") and cfg.get("tls_client_ca") and not cfg.get("tls_cert"):
+        report.error(
+            "tls_client_ca",
+            f"tls_client_ca = {show(cfg['tls_client_ca'])}: needs tls_cert (client "
+            f"certificates are checked only by a TLS listener); tls_cert is empty{on}",
         )
 
     # -- sizes that must be consistent
@@ -1190,16 +1423,20 @@ def check_users(report: Report, users: Any, where: str) -> None:
             )
 
 
-def parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str, schema: Mapping[str, Any] | None = None) -> tuple[str, Any]:
     """One `--set key=value`: the value is JSON if it parses, else the string
-    (as lib/edgebroker.py reads it)."""
+    (as lib/edgebroker.py reads it). JSON past the reader's limits (nested
+    too deep, a number too large) is refused in one line naming the key and,
+    from schema (the profile schema's properties) when given, its range."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ProfileError(f"invalid --set {item!r}: expected key=value")
+        raise ProfileError(f"invalid --set {_abbrev(item, 40)!r}: expected key=value")
     try:
-        value: Any = json.loads(text)
-    except ValueError:
+        value: Any = decode_json(text, key, schema.get(key) if schema else None)
+    except JsonLimitError as exc:
+        raise ProfileError(f"--set {exc.text}") from None
+    except _UndecodableError:
         value = text
     return key, value
 
@@ -1226,13 +1463,13 @@ def load_checked(
     line naming each failing key, its value and the allowed range."""
     path = resolve_board(spec)
     profile = load_profile(path)
+    schema = load_schema()
     sets = list(overrides)
     for item in sets:
-        key, value = parse_override(item)
+        key, value = parse_override(item, schema["properties"])
         profile[key] = value
     if extra:
         profile.update(extra)
-    schema = load_schema()
     try:
         costs: dict[str, Any] | None = load_costs()
     except ProfileError:

@@ -106,11 +106,9 @@ class BuildResult:
 
 # ------------------------------------------------------------------ targets
 def parse_value(text: str) -> Any:
-    """A --set value: JSON if it parses, else the string (as the broker does)."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    """A --set value: JSON if it parses, else the string (as the broker does);
+    JSON past the reader's limits is a ProfileError (profiles.parse_override)."""
+    return profiles.parse_override(f"value={text}")[1]
 
 
 def resolve_board(arg: str) -> Path:
@@ -247,19 +245,40 @@ def mpy_major(path: Path) -> int:
     return head[1]
 
 
+def check_dist(dist_root: Path) -> None:
+    """--dist: a directory, or a path where one can be made (`build` and
+    `flash`, before anything is built or run). One line otherwise."""
+    allowed = "must be a directory, or a path where one can be made"
+    for parent in (dist_root, *dist_root.parents):
+        try:
+            exists = parent.exists()
+        except OSError as exc:  # e.g. a parent that cannot be searched
+            raise CommandError(f"--dist {dist_root}: {exc.strerror or exc}; {allowed}") from None
+        if exists:
+            if not parent.is_dir():
+                what = "is" if parent == dist_root else f"is inside {parent}, which is"
+                raise CommandError(f"--dist {dist_root}: {what} a file, not a directory; {allowed}")
+            return
+
+
 def prepare_out_dir(out_dir: Path) -> None:
     """Empty dist/<board>/ (a renamed module must not linger), but only a
     directory an earlier build made."""
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise CommandError(f"{out_dir} exists and is not a directory")
-        if any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-            raise CommandError(
-                f"{out_dir} is not empty and has no {MANIFEST}: not removing what "
-                "`edgebroker build` did not make (choose another --dist)"
-            )
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    try:
+        if out_dir.exists():
+            if not out_dir.is_dir():
+                raise CommandError(f"{out_dir} exists and is not a directory")
+            if any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+                raise CommandError(
+                    f"{out_dir} is not empty and has no {MANIFEST}: not removing what "
+                    "`edgebroker build` did not make (choose another --dist)"
+                )
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise CommandError(
+            f"cannot make {out_dir}: {exc.strerror or exc} (choose another --dist)"
+        ) from None
 
 
 def build_romfs(lib_dir: Path, image: Path) -> int:
@@ -286,9 +305,11 @@ def mpremote_command() -> list[str]:
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    """dist/<board>/manifest.json, or None when it is missing or unreadable
+    (then the build is stale and made again)."""
     try:
-        data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = profiles.read_json(out_dir / MANIFEST, "build manifest")
+    except profiles.ProfileError:
         return None
     return cast("dict[str, Any]", data) if isinstance(data, dict) else None
 
@@ -306,10 +327,19 @@ def is_current(target: Target, out_dir: Path) -> bool:
 
 
 def build(target: Target, dist_root: Path) -> BuildResult:
-    """Build dist_root/<board>/ from the sources and the profile."""
-    files = sources(target.profile)
+    """Build dist_root/<board>/ from the sources and the profile. A
+    directory that cannot be made or written is one CommandError line."""
     out_dir = dist_root / target.name
     prepare_out_dir(out_dir)
+    try:
+        return _build_into(target, out_dir)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise CommandError(f"cannot build into {out_dir}: {exc.strerror or exc}{where}") from None
+
+
+def _build_into(target: Target, out_dir: Path) -> BuildResult:
+    files = sources(target.profile)
     result = BuildResult(target=target, out_dir=out_dir)
     budget = target.profile.get("code_budget_bytes")
     result.budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
@@ -452,6 +482,7 @@ def handle(args: argparse.Namespace) -> int:
     for warning in target.warnings:
         print(f"edgebroker build: {warning}", file=sys.stderr)
     dist = cast("Path | None", args.dist) or default_dist()
+    check_dist(dist)
     result = build(target, dist)
     print(report(result))
     if result.over_budget:

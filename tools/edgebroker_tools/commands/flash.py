@@ -38,7 +38,10 @@ socket://127.0.0.1:N (the tests' stand-in board), rfc2217://host:port.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
+import math
 import os
 import re
 import shlex
@@ -70,6 +73,8 @@ ESP32_OFFSETS: Final[dict[str, int]] = {
 }
 DEFAULT_BAUD: Final = 460800
 DEFAULT_WATCH_S: Final = 20.0
+#: The longest --watch: an hour (a board that has not listened by then will not).
+MAX_WATCH_S: Final = 3600.0
 SAFE_FLAG: Final = "/safe_mode"
 APP_REMOTE: Final = "/app.py"  # the user's code: firmware/userapp.py runs its main(broker)
 EXIT_VERIFY: Final = 1
@@ -483,16 +488,54 @@ def soft_reset_and_watch(port: str, watch_s: float, echo: Callable[[str], None])
     return verdict
 
 
+#: The keys of a secrets file (firmware/secrets.example.json, README
+#: "Secrets") and the JSON type of each; "users" is checked further against
+#: the profile schema's users, "bridges" by the broker's own merge
+#: (profiles.check_secret_bridges).
+SECRET_KEYS: Final[dict[str, str]] = {
+    "wifi_ssid": "string",
+    "wifi_password": "string",
+    "ap_password": "string",
+    "users": "object",
+    "bridges": "object",
+}
+
+
+def secrets_issues(data: dict[str, Any]) -> list[str]:
+    """Every unknown key and wrong type in a secrets file, each naming the
+    key, the value and what is allowed (as config check names a profile's)."""
+    out: list[str] = []
+    for key, value in data.items():
+        want = SECRET_KEYS.get(key)
+        if want is None:
+            hint = difflib.get_close_matches(key, list(SECRET_KEYS), n=1)
+            more = f"did you mean {hint[0]}? " if hint else ""
+            out.append(
+                f"{key} = {profiles.show(value)}: unknown key ({more}a secrets file has "
+                f"{', '.join(SECRET_KEYS)})"
+            )
+            continue
+        sub: dict[str, Any] = {"type": want}
+        if key == "users":
+            with contextlib.suppress(profiles.ProfileError):
+                sub = profiles.load_schema()["properties"].get("users", sub)
+        out += [issue.text for issue in profiles.validate_value(key, value, sub)]
+    return out
+
+
 def read_secrets(path: Path) -> dict[str, Any]:
-    """A secrets file's JSON object, or a CommandError in one line."""
+    """A secrets file's JSON object with known keys of the right types, or a
+    CommandError in one line naming each bad key, its value and what is
+    allowed."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CommandError(f"cannot read secrets file {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise CommandError(f"secrets file {path} is not valid JSON: {exc}") from None
+        data = profiles.read_json(path, "secrets file")
+    except profiles.ProfileError as exc:
+        raise CommandError(str(exc)) from None
     if not isinstance(data, dict):
         raise CommandError(f"secrets file {path} must hold a JSON object")
+    issues = secrets_issues(data)
+    if issues:
+        raise CommandError(f"secrets file {path}: " + "; ".join(issues))
     return data
 
 
@@ -555,6 +598,18 @@ def check_app(path: Path) -> list[str]:
     if not re.search(r"^async def main\(", text, re.MULTILINE):
         return [f"{path} has no `async def main(broker)`: the gateway will log it as a crash"]
     return []
+
+
+def watch_arg(text: str) -> float:
+    """argparse type: --watch seconds, 0..MAX_WATCH_S (0: no reset)."""
+    allowed = f"must be 0..{MAX_WATCH_S:.0f} seconds (0: do not reset)"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {allowed}") from None
+    if not (math.isfinite(value) and 0 <= value <= MAX_WATCH_S):
+        raise argparse.ArgumentTypeError(f"{text}: {allowed}")
+    return value
 
 
 def validate_port(text: str) -> str:
@@ -623,11 +678,11 @@ def register(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--watch",
-        type=float,
+        type=watch_arg,
         default=DEFAULT_WATCH_S,
         metavar="SECONDS",
-        help=f"show the board's console after the reset this long at most ({DEFAULT_WATCH_S:.0f}; "
-        "0: do not reset)",
+        help=f"show the board's console after the reset this long at most, 0..{MAX_WATCH_S:.0f} "
+        f"({DEFAULT_WATCH_S:.0f}; 0: do not reset)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print every command instead of running it"
@@ -642,6 +697,7 @@ def handle(args: argparse.Namespace) -> int:
     for warning in target.warnings:
         print(f"edgebroker flash: {warning}", file=sys.stderr)
     dist_root = cast("Path | None", args.dist) or build.default_dist()
+    build.check_dist(dist_root)
     port = cast(str, args.port)
     dry = cast(bool, args.dry_run)
     erase = cast(bool, args.erase)

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from edgebroker_tools import passwords, runner
+from edgebroker_tools import passwords, profiles, runner
 from edgebroker_tools.commands import CommandError
 
 if TYPE_CHECKING:
@@ -106,16 +106,19 @@ def read_password() -> str:
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """The file's JSON object ({} when there is no file yet). A file that is
+    not UTF-8 or not JSON, or JSON past the tools' limits (nested too deep,
+    a number too large), is one line naming it (profiles.read_json)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        path.stat()
     except FileNotFoundError:
         return {}
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except OSError:
+        pass  # read_json says what it is, in one line
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise CommandError(f"{path} is not valid JSON: {exc}") from None
+        data = profiles.read_json(path, "file")
+    except profiles.ProfileError as exc:
+        raise CommandError(str(exc)) from None
     if not isinstance(data, dict):
         raise CommandError(f"{path} must hold a JSON object")
     users = data.get("users", {})
