@@ -1344,6 +1344,20 @@ def q_entry(msg, qos, retain, sids):
     return [msg, qos, retain, sids]
 
 
+def _undone(conn, acks):
+    # PUBRECs that never left (their commit failed): the session's in2 marks
+    # their packet ids 2, so that the client's resend is stored again, where
+    # MQTT-4.3.3-10 would take it for a duplicate. No allocation: the keys
+    # exist (store_failed runs when the heap may be out).
+    s = conn.sess
+    if acks and s is not None and type(s.in2) is dict:
+        for a in acks:
+            if a[0] == 0x50:
+                pid = a[2] << 8 | a[3]
+                if pid in s.in2:
+                    s.in2[pid] = 2
+
+
 def _unfinished(items, i, later):
     """The error path of a list worked through after it was swapped for an
     empty one (a MemoryError part way): the first i items are done and
@@ -2345,15 +2359,20 @@ class Engine:
                 body = u16(pid) + (b"\x87" if conn.ver == 5 else b"")
                 self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, len(body))) + body)
             return
+        again = False
         if qos == 2:
             in2 = sess.in2
             if type(in2) is tuple:
                 in2 = sess.in2 = {}
             if pid in in2:
-                # MQTT-4.3.3-10: a resent PUBLISH (DUP) before PUBREL is not
-                # delivered again; answer with PUBREC once more
-                self.send_ack(conn, bytes((0x50, 2)) + u16(pid))
-                return
+                if in2[pid] == 1:
+                    # MQTT-4.3.3-10: a resent PUBLISH (DUP) before PUBREL is
+                    # not delivered again; answer with PUBREC once more
+                    self.send_ack(conn, bytes((0x50, 2)) + u16(pid))
+                    return
+                # its PUBREC never left: the commit failed (store_failed), so
+                # it is stored and queued again below, not routed again
+                again = True
         if qos and _mem_free is not None:
             # Below heap_reserve a QoS 1/2 message is refused, not taken:
             # queued for sessions that are away, it would eat the heap their
@@ -2376,12 +2395,14 @@ class Engine:
             if self._low:
                 self.refuse("publish_heap", "free heap below heap_reserve")
                 if conn.ver == 5:
+                    if again:
+                        del in2[pid]  # a PUBREC of 0x80 or more ends the exchange
                     self.send_ack(conn, bytes((0x40 if qos == 1 else 0x50, 3)) + u16(pid) + b"\x97")
                 else:
                     self.close(conn, True)
                 return
         if qos == 2:
-            if len(in2) >= self.max_inflight:
+            if not again and len(in2) >= self.max_inflight:
                 raise MqttError(_RC_RECV_MAX, "Receive Maximum exceeded")  # MQTT-3.3.4-9
             in2[pid] = 1
         msg = (
@@ -2392,7 +2413,10 @@ class Engine:
             self.now_s + exp if exp else 0,
             1 if exp else 0,
         )
-        wait = self.publish(msg, retain, sess, topic)
+        if again:
+            wait = self.publish(msg, retain, sess, topic, True)
+        else:
+            wait = self.publish(msg, retain, sess, topic)
         if qos:
             ack = bytes((0x40 if qos == 1 else 0x50, 2, pid >> 8, pid & 0xFF))
             if wait and conn.defer is None:
@@ -2415,12 +2439,13 @@ class Engine:
             raise MqttError(_RC_PROTOCOL, "unknown Topic Alias")
         return t
 
-    def publish(self, msg, retain, origin, topic=None):
+    def publish(self, msg, retain, origin, topic=None, keep_only=False):
         """Stores (if retained) and routes one message. `topic` is the str
         of its topic bytes when the caller has it (a PUBLISH, a local
         publish); a will or a $SYS message has it decoded here. Returns True
         when an acknowledgement must wait for the store's commit
-        (durability)."""
+        (durability). keep_only: stored and given to the sinks, not routed
+        (a QoS 2 resend after a failed commit: routed the first time)."""
         if topic is None:
             topic = msg[_M_TB].decode()
         wait = False
@@ -2433,7 +2458,7 @@ class Engine:
                 if k.put(msg, retain, origin, topic) and k.durable:
                     wait = True
                     self.sdirty = True
-        if not self.tree.root:
+        if keep_only or not self.tree.root:
             return wait  # no subscription at all: nothing to route
         levels = topic.split("/")
         matched = None
@@ -3303,6 +3328,7 @@ class Engine:
                 for a in acks:
                     self.write(conn, a)
             elif not conn.closed:
+                _undone(conn, acks)
                 conn.defer = None
                 self.disconnect(conn, _RC_UNSPECIFIED, "store write failed")
         keep = []
@@ -3449,6 +3475,7 @@ class Engine:
         # turn must not send them if what follows runs out of heap)
         dl = self.deferred
         for conn in dl:
+            _undone(conn, conn.defer)
             conn.defer = None
         while dl:
             conn = dl.pop()
@@ -3506,8 +3533,13 @@ class Engine:
                     q.pop(0)
                     sess.qbytes -= msg_size(m)
                     self.qtotal -= 1
-        if self.store.expire(now, 64) and self.store.durable:
-            self.sdirty = True
+        try:
+            if self.store.expire(now, 64) and self.store.durable:
+                self.sdirty = True
+        except OSError as err:
+            # its commit of this turn's writes failed and undid them: their
+            # acknowledgements must not leave with the turn's commit
+            self.store_failed(err)
         si = self.cfg["sys_interval"]
         if si and now - self._last_sys >= si:
             self._last_sys = now

@@ -1193,7 +1193,9 @@ class FlashStore:
         entries per call and resuming where the last call stopped (bounded
         work per call; disc_only reads the head of flagged records only).
         It also makes pending writes durable and records a CLOCK marker when
-        one is due, so QoS 0 retained changes reach flash within a tick."""
+        one is due, so QoS 0 retained changes reach flash within a tick;
+        that commit's OSError is raised, as commit() raises it (rolled back:
+        the changes since the last durable commit are undone)."""
         removed = 0
         if self._f is None:
             return 0
@@ -1235,10 +1237,9 @@ class FlashStore:
             or self._fail is not None
             or (self._nexp and self._stime() - self._tmark >= self._cfg[2])
         ):
-            try:
-                self.commit()
-            except OSError as e:
-                self._log("error", "retained store write failed: %r" % (e,))
+            # raises OSError after rolling back: the caller's acks for the
+            # changes undone must not leave (Engine.tick -> store_failed)
+            self.commit()
         return removed
 
     def commit(self):

@@ -326,7 +326,8 @@ def test_connect_5_accepted_connack_properties_3_2_2_3():
     assert props[0x21] == 7                  # Receive Maximum = max_inflight (3.2.2.3.3)
     assert props[0x27] == 2000               # Maximum Packet Size (3.2.2.3.6)
     assert props[0x22] == 5                  # Topic Alias Maximum (3.2.2.3.8)
-    assert props[0x2A] == 1                  # Shared Subscription Available (3.2.2.3.13)
+    assert props.get(0x2A, 1) == 1           # Shared Subscription Available (3.2.2.3.13; absent: 1)
+    assert 0x28 not in props and 0x29 not in props   # absent: available (only what differs is sent)
     assert props.get(0x25, 1) == 1           # Retain Available
     assert 0x24 not in props                 # Maximum QoS absent means 2 (3.2.2.3.4)
     assert 0x12 not in props                 # the client gave its id
@@ -2052,6 +2053,96 @@ def test_a_failed_commit_acknowledges_nothing_even_short_of_heap():
     eng.turn(T0 + 1)
     assert [f for f, _ in split(a.out()) if f == 0x40] == [] and a.c.closed   # no PUBACK
     assert eng.deferred == []
+
+
+class RollbackStore(DurableStore):
+    """DurableStore that undoes the changes since its last good commit when
+    one fails, as the flash store does (edgestore FAILURES); its expire()
+    commits pending writes too, and fails with them when `fail_tick`."""
+
+    def __init__(self):
+        DurableStore.__init__(self)
+        self.undo = []
+        self.fail_tick = False
+
+    def put(self, topic, msg):
+        self.undo.append((topic, self.get(topic)))
+        edgeram.RamStore.put(self, topic, msg)
+
+    def _rollback(self):
+        while self.undo:
+            topic, old = self.undo.pop()
+            if old is None:
+                edgeram.RamStore.delete(self, topic)
+            else:
+                edgeram.RamStore.put(self, topic, old)
+
+    def commit(self):
+        try:
+            DurableStore.commit(self)
+        except OSError:
+            self._rollback()
+            raise
+        self.undo = []
+
+    def expire(self, now, budget):
+        if self.fail_tick and self.undo:
+            self.fail_tick = False
+            self._rollback()
+            raise OSError(28)
+        return edgeram.RamStore.expire(self, now, budget)
+
+
+def test_a_failed_commit_in_the_tick_acknowledges_nothing():
+    """The once-a-second tick's expiry sweep commits pending writes (so QoS
+    0 retained changes reach flash within a second). When that commit fails
+    the store undoes this turn's writes; their acks must not leave with the
+    turn's own commit, which then succeeds (nothing left to write). Before,
+    the tick only logged it: the PUBACK left for a message the store had
+    undone (an acknowledged value lost, an acknowledged delete undone)."""
+    st = RollbackStore()
+    eng = mk(st)
+    a = Peer(eng, "a")
+    a.send(publish("g/1", b"1", 1, 1, retain=True))
+    st.fail_tick = True
+    eng.turn(T0 + 1)  # the tick is due: its commit fails
+    assert [f for f, _ in split(a.out()) if f == 0x40] == [] and a.c.closed   # no PUBACK
+    assert st.get("g/1") is None and eng.deferred == []
+    eng.turn(T0 + 1)
+    eng.turn(T0 + 2)
+    assert a.out() == b""
+
+
+def test_qos2_resend_after_a_failed_commit_is_stored_not_routed_again_MQTT_4_3_3_10():
+    """A retained QoS 2 PUBLISH whose commit failed got no PUBREC (the
+    store undid it), but its packet id stays in the session's QoS 2 state:
+    the client's resend (DUP, same id) must be stored again, then
+    acknowledged, and not delivered to subscribers a second time (it was
+    routed the first time: MQTT-4.3.3-10 forbids a duplicate onward).
+    Before, the resend was taken for a plain duplicate: PUBREC, then
+    PUBCOMP, for a message the store never kept."""
+    st = RollbackStore()
+    eng = mk(st)
+    sub = Peer(eng, "s")
+    sub.sub("g/#", 2)
+    a = Peer(eng, "a", clean=False, props=p_u32(0x11, 600))
+    a.send(publish("g/q", b"v", 2, 7, retain=True))
+    st.fail = True
+    eng.turn(T0)
+    assert [f for f, _ in split(a.out()) if f == 0x50] == [] and a.c.closed   # no PUBREC
+    assert st.get("g/q") is None
+    first = sub.msgs()
+    assert [(m.topic, m.payload) for m in first] == [("g/q", b"v")]
+    sub.send(ack(5, first[0].pid))    # PUBREC: the subscriber has it
+    sub.packets()
+    a = Peer(eng, "a", clean=False, props=p_u32(0x11, 600))
+    a.send(publish("g/q", b"v", 2, 7, retain=True, dup=True))
+    eng.turn(T0)
+    assert [f for f, _ in split(a.out())] == [0x50]                           # PUBREC now
+    assert st.get("g/q") is not None and st.commits == 2                      # stored
+    a.send(ack(6, 7))                                                         # PUBREL
+    assert [f for f, _ in split(a.out())] == [0x70]                           # PUBCOMP
+    assert [f for f, _ in sub.packets() if f >> 4 == 3] == []                 # not again
 
 
 def test_acks_after_a_deferred_one_keep_order_MQTT_4_6_0_2_3():
