@@ -550,6 +550,12 @@ def _num(v: Any) -> str:
     return show(v)
 
 
+def did_you_mean(key: str, known: Iterable[str]) -> str | None:
+    """The known key closest to a misspelt one, if any is close."""
+    hint = difflib.get_close_matches(key, list(known), n=1)
+    return hint[0] if hint else None
+
+
 def validate(profile: Mapping[str, Any], schema: Schema) -> list[Issue]:
     """Every schema violation of a profile: unknown keys, types, ranges, enums."""
     props: dict[str, Any] = schema["properties"]
@@ -557,8 +563,8 @@ def validate(profile: Mapping[str, Any], schema: Schema) -> list[Issue]:
     for key, value in profile.items():
         sub = props.get(key)
         if sub is None:
-            hint = difflib.get_close_matches(key, list(props), n=1)
-            more = f" (did you mean {hint[0]}?)" if hint else ""
+            hint = did_you_mean(key, props)
+            more = f" (did you mean {hint}?)" if hint else ""
             issues.append(Issue(key, f"{key} = {show(value)}: unknown key{more}"))
             continue
         issues += validate_value(key, value, sub)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import json
 import math
 import os
@@ -508,8 +507,8 @@ def secrets_issues(data: dict[str, Any]) -> list[str]:
     for key, value in data.items():
         want = SECRET_KEYS.get(key)
         if want is None:
-            hint = difflib.get_close_matches(key, list(SECRET_KEYS), n=1)
-            more = f"did you mean {hint[0]}? " if hint else ""
+            hint = profiles.did_you_mean(key, SECRET_KEYS)
+            more = f"did you mean {hint}? " if hint else ""
             out.append(
                 f"{key} = {profiles.show(value)}: unknown key ({more}a secrets file has "
                 f"{', '.join(SECRET_KEYS)})"
