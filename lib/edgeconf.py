@@ -106,9 +106,10 @@ def limits(profile=None):
     for u in users:
         if not isinstance(users[u], str):
             raise ValueError("users.%s: %r is not a string (a password entry)" % (u, users[u]))
-    if cfg["tls_client_ca"] and not cfg["tls_cert"]:
-        # client certificates are asked for only by a TLS listener
-        raise ValueError("tls_client_ca: %r needs tls_cert (a TLS listener)" % cfg["tls_client_ca"])
+    for k in ("tls_client_ca", "tls_key"):
+        if cfg[k] and not cfg["tls_cert"]:
+            # both are used only by a TLS listener, which tls_cert makes
+            raise ValueError("%s: %r needs tls_cert (a TLS listener)" % (k, cfg[k]))
     if cfg["acl"]:
         import edgeauth
 

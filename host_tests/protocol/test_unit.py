@@ -184,7 +184,7 @@ import sys
 sys.path.insert(0, LIB)
 import edgebroker as eb
 for p in ([1], eb.with_secrets({}, {"users": {"u": 5}}),
-          {"tls_client_ca": "ca.pem"}):
+          {"tls_client_ca": "ca.pem"}, {"tls_key": "k.pem"}):
     try:
         eb.limits(p)
         print("accepted")
@@ -198,13 +198,13 @@ def test_profile_check_refuses_a_bad_shape_naming_the_key(interpreter):
     """The broker's own check (start(), a board's boot, --secrets on the
     host) refuses a profile that is not an object, a users entry that is
     not a password string (from a secrets file too: it failed at the first
-    CONNECT before), and tls_client_ca without tls_cert (client
-    certificates are asked for only by a TLS listener), each in one line
-    naming the key."""
+    CONNECT before), and tls_client_ca or tls_key without tls_cert (both
+    are used only by a TLS listener), each in one line naming the key."""
     lines = _probe(interpreter, _CONF_BAD_PROBE)
     assert lines[0] == "refused profile: [1] is not an object"
     assert lines[1] == "refused users.u: 5 is not a string (a password entry)"
     assert lines[2] == "refused tls_client_ca: 'ca.pem' needs tls_cert (a TLS listener)"
+    assert lines[3] == "refused tls_key: 'k.pem' needs tls_cert (a TLS listener)"
 
 
 @pytest.mark.parametrize("interpreter", ["cpython", "micropython"])

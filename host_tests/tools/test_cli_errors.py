@@ -219,6 +219,16 @@ def test_flash_watch_out_of_range(tmp_path, watch):
     assert watch in line and "must be 0..3600 seconds (0: do not reset)" in line, line
 
 
+@pytest.mark.parametrize("baud", ["-1", "0", "9599", "4000001", "fast"])
+def test_flash_baud_out_of_range(tmp_path, baud):
+    """Was: --baud -1 accepted (handed to esptool)."""
+    r = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dry-run",
+                   "--dist", str(tmp_path), "--baud=" + baud)
+    line = one_line_error(r, "flash")
+    assert line.startswith("edgebroker flash: error: argument --baud: ")
+    assert baud in line and "must be an integer baud rate in 9600..4000000" in line, line
+
+
 def test_flash_watch_in_range(tmp_path):
     r = edgebroker("flash", "esp32", "--port", "/dev/ttyUSB9", "--dry-run",
                    "--dist", str(tmp_path), "--watch", "0")

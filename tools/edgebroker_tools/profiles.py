@@ -1144,6 +1144,13 @@ def check_profile(
             f"tls_client_ca = {show(cfg['tls_client_ca'])}: needs tls_cert (client "
             f"certificates are checked only by a TLS listener); tls_cert is empty{on}",
         )
+    # -- a key without its certificate would be silently unused the same way
+    if ok("tls_key", "tls_cert") and cfg.get("tls_key") and not cfg.get("tls_cert"):
+        report.error(
+            "tls_key",
+            f"tls_key = {show(cfg['tls_key'])}: needs tls_cert (the key of the TLS "
+            f"listener's certificate); tls_cert is empty{on}",
+        )
 
     # -- sizes that must be consistent
     if (

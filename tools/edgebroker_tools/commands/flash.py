@@ -599,6 +599,23 @@ def check_app(path: Path) -> list[str]:
     return []
 
 
+#: esptool's serial rates: 9600 (the ROM loader's slowest) to 4 Mbaud.
+BAUD_RANGE: Final = (9600, 4_000_000)
+
+
+def baud_arg(text: str) -> int:
+    """argparse type: --baud, an integer in BAUD_RANGE."""
+    lo, hi = BAUD_RANGE
+    allowed = f"must be an integer baud rate in {lo}..{hi}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {allowed}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{text}: {allowed}")
+    return value
+
+
 def watch_arg(text: str) -> float:
     """argparse type: --watch seconds, 0..MAX_WATCH_S (0: no reset)."""
     allowed = f"must be 0..{MAX_WATCH_S:.0f} seconds (0: do not reset)"
@@ -658,7 +675,7 @@ def register(subparsers: Subparsers) -> None:
         help="esptool chip (default: from the board name)",
     )
     parser.add_argument(
-        "--baud", type=int, default=DEFAULT_BAUD, help=f"esptool baud rate ({DEFAULT_BAUD})"
+        "--baud", type=baud_arg, default=DEFAULT_BAUD, help=f"esptool baud rate ({DEFAULT_BAUD})"
     )
     parser.add_argument(
         "--secrets",
