@@ -2850,6 +2850,8 @@ class Engine:
 
     def on_ack(self, conn, ptype, b, i, end):
         pid, i = read_u16(b, i, end)
+        if pid == 0:
+            raise MqttError(_RC_PROTOCOL, "packet identifier 0")  # MQTT-2.2.1-3
         rc = b[i] if i < end else 0
         sess = conn.sess
         if ptype == _PUBREL:
