@@ -2413,10 +2413,7 @@ class Engine:
             self.now_s + exp if exp else 0,
             1 if exp else 0,
         )
-        if again:
-            wait = self.publish(msg, retain, sess, topic, True)
-        else:
-            wait = self.publish(msg, retain, sess, topic)
+        wait = self.publish(msg, retain, sess, topic, again)
         if qos:
             ack = bytes((0x40 if qos == 1 else 0x50, 2, pid >> 8, pid & 0xFF))
             if wait and conn.defer is None:

@@ -61,6 +61,19 @@ def add_set_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def refuse_address_overrides(overrides: list[str], command: str) -> None:
+    """`--set port=...` or `--set bind=...`: refused in one line. On the host
+    the address comes from --port and --bind (a board profile's port and
+    bind are the board's); silently listening elsewhere would mislead."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in ("port", "bind"):
+            raise CommandError(
+                f"--set {item}: {command} listens where --port and --bind say; "
+                f"use --{key} (the profile's {key} is the board's)"
+            )
+
+
 __all__ = [
     "CommandError",
     "Handler",
@@ -68,4 +81,5 @@ __all__ = [
     "add_set_option",
     "override_arg",
     "port_arg",
+    "refuse_address_overrides",
 ]

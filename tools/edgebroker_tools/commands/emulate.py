@@ -53,7 +53,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from edgebroker_tools import profiles, runner
-from edgebroker_tools.commands import CommandError, add_set_option, port_arg
+from edgebroker_tools.commands import (
+    CommandError,
+    add_set_option,
+    port_arg,
+    refuse_address_overrides,
+)
 from edgebroker_tools.mqttclient import Client, MqttError, parse_publish
 
 if TYPE_CHECKING:
@@ -487,8 +492,6 @@ def monitor(
 
 # ----------------------------------------------------------------- handler
 def handle(args: argparse.Namespace) -> int:
-    from edgebroker_tools.commands.run import refuse_address_overrides
-
     interpreter = cast(runner.Interpreter, args.interpreter)
     refuse_address_overrides(cast("list[str]", args.overrides), "emulate")
     name, cfg, notes = prepare_profile(

@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from edgebroker_tools import profiles, runner
-from edgebroker_tools.commands import CommandError, add_set_option, port_arg
+from edgebroker_tools.commands import (
+    CommandError,
+    add_set_option,
+    port_arg,
+    refuse_address_overrides,
+)
 
 if TYPE_CHECKING:
     from edgebroker_tools.commands import Subparsers
@@ -103,19 +108,6 @@ def register(subparsers: Subparsers) -> None:
     )
     add_set_option(parser)
     parser.set_defaults(handler=handle)
-
-
-def refuse_address_overrides(overrides: list[str], command: str) -> None:
-    """`--set port=...` or `--set bind=...`: refused in one line. On the host
-    the address comes from --port and --bind (a board profile's port and
-    bind are the board's); silently listening elsewhere would mislead."""
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        if key in ("port", "bind"):
-            raise CommandError(
-                f"--set {item}: {command} listens where --port and --bind say; "
-                f"use --{key} (the profile's {key} is the board's)"
-            )
 
 
 def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:

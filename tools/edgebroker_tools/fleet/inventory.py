@@ -79,20 +79,9 @@ class Gateway:
 def _read(path: Path, what: str) -> Any:
     """A JSON file's content; InventoryError (one line) for anything else."""
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise InventoryError(f"{what} not found: {path}") from None
-    except IsADirectoryError:
-        raise InventoryError(f"{what} {path} is a directory, not a JSON file") from None
-    except OSError as exc:
-        raise InventoryError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InventoryError(
-            f"{what} {path} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset "
-            f"{exc.start} (expected UTF-8 JSON)"
-        ) from None
+        text = profiles.read_text(path, what)  # missing, unreadable, not UTF-8
+    except profiles.ProfileError as exc:
+        raise InventoryError(str(exc)) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
