@@ -11,19 +11,36 @@ import edgeram  # noqa: E402
 
 
 class FailingStore(edgeram.RamStore):
+    """The first commit holding a change to each "fail/..." topic fails and
+    undoes the changes since the last good commit, as the flash store does
+    (edgestore FAILURES); a later change to that topic is written."""
+
     durable = True
 
     def __init__(self, capacity):
         edgeram.RamStore.__init__(self, capacity)
         self.bad = False
+        self.failed = set()  # topics whose first commit failed
+        self.undo = []
 
     def put(self, topic, msg):
-        self.bad = self.bad or topic[:5] == "fail/"
+        if topic[:5] == "fail/" and topic not in self.failed:
+            self.failed.add(topic)
+            self.bad = True
+        self.undo.append((topic, self.get(topic)))
         edgeram.RamStore.put(self, topic, msg)
 
     def commit(self):
+        undo = self.undo
+        self.undo = []
         if self.bad:
             self.bad = False
+            while undo:
+                topic, old = undo.pop()
+                if old is None:
+                    edgeram.RamStore.delete(self, topic)
+                else:
+                    edgeram.RamStore.put(self, topic, old)
             raise OSError(28)
 
 
