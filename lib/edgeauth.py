@@ -103,14 +103,13 @@ def acl_for(rules, cid, user):
         ):
             continue
         t = r["topic"]
-        if "%u" in t:
-            if user is None or "/" in user or "+" in user or "#" in user:
-                continue
-            t = t.replace("%u", user)
-        if "%c" in t:
-            if "/" in cid or "+" in cid or "#" in cid:
-                continue
-            t = t.replace("%c", cid)
+        if "%u" in t and (user is None or "/" in user or "+" in user or "#" in user):
+            continue
+        if "%c" in t and ("/" in cid or "+" in cid or "#" in cid):
+            continue
+        # one pass: a "%c" inside the user name stays as it is (expanded
+        # again, the client id it chose would pick another user's topics)
+        t = (user or "").join([p.replace("%c", cid) for p in t.split("%u")])
         out.append((_ACL_ACCESS[r["access"]], t.split("/")))
     return out
 

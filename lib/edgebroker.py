@@ -1483,7 +1483,7 @@ class Conn:
     defer = None  # acks waiting for a durable store commit
     resend = 0  # in-flight entries not yet resent since CONNECT: the last ones
     held = None  # bytearray: unparsed input held back by flow control
-    tls = False  # its socket is a TLS socket (the listener's tls_cert)
+    tls = False  # TLS (the listener's tls_cert): the socket under its SSL socket
     linger = False  # ended by a protocol error: drained before the close
     paused = False  # server state: reading paused while held
     closed = False
@@ -2011,10 +2011,12 @@ class Engine:
                 conn, _RC_BAD_AUTH, _RC3_BAD_AUTH, "auth", "bad user name or password"
             )
         old = self.sessions.get(cid)
-        if old is not None and old.user != user:
+        if old is not None and old.user != user and not clean:
             # A session belongs to the user who made it: another user's
-            # CONNECT with its client id is refused, the session untouched
-            # (neither taken over nor resumed nor cleaned).
+            # resume (Clean Start 0) is refused, the session untouched. With
+            # Clean Start 1 nothing is resumed: the connection takes over
+            # (MQTT-3.1.4-3; 3.1.1 MQTT-3.1.4-2) and the session is discarded,
+            # or whoever took a client id first would lock its owner out.
             return self.connack_refuse(
                 conn,
                 _RC_BAD_CLIENT_ID,
@@ -3769,6 +3771,7 @@ class Broker:
                 self._short("MemoryError in accept")
                 return
             conn = None
+            raw = s
             try:
                 s.setblocking(False)
                 try:
@@ -3784,12 +3787,17 @@ class Broker:
                     s = self.tls.wrap_socket(s, server_side=True, do_handshake_on_connect=False)
                 conn = eng.open(s, self.clock(), _peer(a))
                 if self.tls is not None:
-                    conn.tls = True  # (only then: an attribute set costs a slot)
+                    # (only then: an attribute set costs a slot) kept to be
+                    # closed too: MicroPython's SSL socket, closed after a
+                    # failed handshake, leaves the socket under it open
+                    conn.tls = raw
                 self._watch(conn)
             except (OSError, ValueError) as e:
-                # a TLS wrap that failed: this client only
+                # a TLS wrap that failed: this client only (raw: the socket
+                # under a wrapper; without TLS the same one, closed twice)
                 try:
                     s.close()
+                    raw.close()
                 except OSError:
                     pass
                 eng.refuse("tls", "TLS for %s: %r", _peer(a), e)
@@ -3801,6 +3809,7 @@ class Broker:
                 else:
                     try:
                         s.close()
+                        raw.close()
                     except OSError:
                         pass
                 self._short("MemoryError for a new connection")
@@ -3891,16 +3900,21 @@ class Broker:
                 n = _send(s, out)
             except OSError:
                 n = -1
-            if n == len(out) and self._linger(s, conn.linger):
+            if n == len(out) and self._linger(s, conn.linger, conn.tls):
                 conn.io = None
                 return
         try:
             s.close()
         except OSError:
             pass
+        if conn.tls:
+            try:
+                conn.tls.close()  # the socket under it (Conn.tls)
+            except OSError:
+                pass
         conn.io = None
 
-    def _linger(self, s, always):
+    def _linger(self, s, always, raw):
         # Graceful close: the final CONNACK or DISCONNECT has left. Closing a
         # socket with unread bytes sends RST, and a client that is still
         # writing would then see a reset instead of the reason code. So when
@@ -3910,6 +3924,7 @@ class Broker:
         # still writing), otherwise only if bytes are waiting (a silent
         # client, e.g. past its keep alive, sees the close at once).
         # Bounded: max_drain sockets at a time, none while shutting down.
+        # raw: Conn.tls, closed with it.
         if len(self.draining) >= self.max_drain:
             return False
         try:
@@ -3925,7 +3940,7 @@ class Broker:
             except (AttributeError, OSError):
                 pass
             now = self.clock()
-            ent = [now + _DRAIN_S, s, now + _QUIET_S]
+            ent = [now + _DRAIN_S, s, now + _QUIET_S, raw]
             self.draining.append(ent)
             if self._async:
                 _asyncio().create_task(self._drainer(ent))
@@ -3968,6 +3983,11 @@ class Broker:
             s.close()
         except OSError:
             pass
+        if ent[3]:
+            try:
+                ent[3].close()  # TLS: the socket under it (Conn.tls)
+            except OSError:
+                pass
 
     async def _drainer(self, ent):
         # Reads and drops what the peer still sends, looking every 50 ms

@@ -109,6 +109,21 @@ def test_will_on_a_denied_topic_refuses_the_connect(broker_factory, version):
         assert ack.reason == (0x87 if version == 5 else 5)
 
 
+@pytest.mark.parametrize("version", [5, 4])
+def test_percent_c_in_a_user_name_is_not_expanded_again(broker_factory, version):
+    """%c and %u expand in one pass: user "%c" with client id "alice" gets
+    users/%c/# (its own name, literally), not alice's users/alice/# (before:
+    %u expanded first, then the %c it brought in, with the client id)."""
+    b = broker_factory(acl=[{"who": "all", "access": "readwrite", "topic": "users/%u/#"}],
+                       users={"alice": "a-pass", "%c": "p-pass"}, allow_anonymous=False)
+    requires_edgebroker(b)
+    c = raw_connect(b.port, "alice", version=version, username="%c", password=b"p-pass")
+    denied = 0x87 if version == 5 else 0x80
+    assert c.subscribe([("users/alice/#", 1), ("users/%c/#", 1)]) == [denied, 1]
+    assert c.publish("users/alice/x", b"no", qos=1, pid=1) == (0x87 if version == 5 else 0)
+    c.disconnect()
+
+
 def test_bad_acl_rule_is_one_line_naming_it(tmp_path):
     prof = json.loads((REPO / "boards" / "host.json").read_text())
     prof["acl"] = [{"who": "all", "access": "wrtie", "topic": "a/#"}]

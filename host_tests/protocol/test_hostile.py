@@ -119,6 +119,48 @@ def test_client_id_belongs_to_its_user(broker_factory, interp, version):
 
 
 @pytest.mark.parametrize("version", [5, 4])
+def test_clean_start_of_another_user_takes_the_client_id_over(broker_factory, interp, version):
+    """Whoever takes a client id first does not lock its owner out: another
+    user's Clean Start 1 resumes nothing, so it is accepted (MQTT-3.1.4-3,
+    3.1.1 MQTT-3.1.4-2): the old session is discarded (session present 0,
+    nothing of its queue delivered), the new user's ACL applies, and a
+    connection of the other user is taken over (5.0 DISCONNECT 0x8E). Its
+    Clean Start 0 stays refused (test_client_id_belongs_to_its_user).
+    Before: every CONNECT of another user was refused, 0x85 / rc 2."""
+    acl = [{"who": "user:alice", "access": "readwrite", "topic": "a/#"},
+           {"who": "user:bob", "access": "readwrite", "topic": "q/#"}]
+    b = broker_factory(allow_anonymous=False, users={"alice": "a-pass", "bob": "b-pass"},
+                       max_session_expiry=3600, acl=acl)
+    requires_edgebroker(b)
+    props = prop_u32(0x11, 600) if version == 5 else b""
+    with RawClient(b.port, version=version) as squat:
+        assert squat.connect("owned-id", clean=False, username="bob", password=b"b-pass",
+                             props=props).reason == 0
+        assert squat.subscribe([("q/#", 1)]) == [1]
+        squat.disconnect()
+    with RawClient(b.port, version=5) as pub:
+        pub.connect("pub", username="bob", password=b"b-pass")
+        assert pub.publish("q/1", b"queued-for-bob", qos=1, pid=2) == 0
+    a = RawClient(b.port, version=version)
+    ack = a.connect("owned-id", clean=True, username="alice", password=b"a-pass", props=props)
+    assert ack.reason == 0 and not ack.session_present
+    assert a.no_publish(0.3), "the discarded session's queue was delivered"
+    denied = 0x87 if version == 5 else 0x80
+    assert a.subscribe([("q/#", 1), ("a/#", 1)]) == [denied, 1]
+    with RawClient(b.port, version=version) as thief:
+        ack = thief.connect("owned-id", clean=False, username="bob", password=b"b-pass", props=props)
+        assert ack.reason == (0x85 if version == 5 else 2)
+    assert a.is_open(0.3)
+    with RawClient(b.port, version=version) as bob:
+        ack = bob.connect("owned-id", clean=True, username="bob", password=b"b-pass")
+        assert ack.reason == 0 and not ack.session_present
+        if version == 5:
+            assert a.expect_disconnect(3)[0] == 0x8E
+        assert a.closed(3)
+    a.close()
+
+
+@pytest.mark.parametrize("version", [5, 4])
 def test_will_checked_like_publish(broker_factory, interp, version):
     """Defect 5: a will is checked at CONNECT like a PUBLISH: not on $SYS
     (5.0 0x87 / 3.1.1 rc 5), not over max_topic_length or max_topic_levels
@@ -390,7 +432,7 @@ b._async = True  # the board's server
 gc.collect()
 micropython.heap_lock()
 try:
-    r = b._linger(s, True)
+    r = b._linger(s, True, False)
 finally:
     micropython.heap_unlock()
 print("LINGER", r, len(b.draining))

@@ -6,6 +6,7 @@ tls_client_ca a client needs a certificate that CA signed; config check
 refuses a TLS listener on a board without the heap for it. Certificates are
 made at test time. Both interpreters, both servers."""
 
+import os
 import socket
 import ssl
 import subprocess
@@ -95,6 +96,66 @@ def test_plain_client_on_the_tls_port_is_closed_without_harm(broker_factory, cer
     c.loop_stop()
     silent.close()
     plain.close()
+    assert b.alive()
+
+
+def _connections_of(pid, port):
+    """The broker's open TCP connections on its port (any state but
+    LISTEN: a socket the client closed and the broker did not is in
+    CLOSE-WAIT), from /proc: its socket inodes in /proc/net/tcp."""
+    mine = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            x = row.split()
+            if int(x[1].rsplit(":", 1)[1], 16) == port and x[3] != "0A" and x[9] in mine:
+                n += 1
+    return n
+
+
+def test_failed_handshakes_leave_no_socket_open(broker_factory, certs):
+    """A failed handshake closes its socket: the client sees the close at
+    once (well before connect_timeout), and the broker keeps no connection
+    on its port (/proc). Before, under MicroPython every one stayed open for
+    good (its SSL socket, closed after the read error, left the socket
+    under it open: CLOSE-WAIT, a file descriptor, an lwIP socket on a
+    board). A plain MQTT client and HTTP probes on the TLS port."""
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("needs /proc to see the broker's sockets")
+    b = broker_factory(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"),
+                       connect_timeout=30)
+    requires_edgebroker(b)
+    plain = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+    plain.sendall(connect_packet("plain", version=5))
+    t0 = time.monotonic()
+    try:
+        while plain.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        pytest.fail("a plain client on the TLS port was not closed within 5 s")
+    assert time.monotonic() - t0 < 5
+    plain.close()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", b.port), timeout=5) as h:
+            h.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    deadline = time.monotonic() + 5
+    while _connections_of(b.pid, b.port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _connections_of(b.pid, b.port) == 0, "sockets of failed handshakes left open"
     assert b.alive()
 
 
