@@ -286,6 +286,12 @@ def check(items, board="edgebroker"):
         for j, r in enumerate(rules):
             rw = "%s.topics[%d]" % (w, j)
             r = _fill(rw, r, RULE)
+            for k in ("local_prefix", "remote_prefix"):
+                # a prefix is part of every topic name the rule makes: a
+                # wildcard there is a PUBLISH the upstream must refuse
+                # (MQTT-3.3.2-2), and the link would go down on it for good
+                if "+" in r[k] or "#" in r[k] or "\x00" in r[k]:
+                    raise ValueError("%s.%s: %r (a topic prefix: no +, # or NUL)" % (rw, k, r[k]))
             if not eb.valid_filter(r["local_prefix"] + r["pattern"]) or not eb.valid_filter(
                 r["remote_prefix"] + r["pattern"]
             ):
@@ -298,6 +304,15 @@ def check(items, board="edgebroker"):
             c["client_id"] = board
         out.append(c)
     return out
+
+
+def _remap(topic, strip, add):
+    # mosquitto's topic mapping: the prefix is taken off when the topic
+    # starts with it ("l/#" also matches "l", which keeps its name), then the
+    # other side's prefix is put on
+    if topic.startswith(strip):
+        topic = topic[len(strip) :]
+    return add + topic
 
 
 # ---------------------------------------------------------------- 3. Queue
@@ -370,6 +385,10 @@ class Queue:
             self._create()
             return
         self.f = f
+        # a file that never got past its header was made by a run that
+        # stopped before its first commit: the retained sync it was made
+        # for (Bridge._sync) is done again
+        self.created = size == _HDR
         pos = _HDR
         cur = _HDR
         torn = False
@@ -745,13 +764,14 @@ class Bridge:
         self.lfull = 0  # latest topics beyond latest_topics
         self.looped = 0  # 3.1.1: inbound messages dropped as possible echoes
         self.toolarge = 0  # queued messages over the upstream's Maximum Packet Size
+        self.indrop = 0  # inbound messages not published locally (too large, refused)
+        self.skip = 0  # bytes of a too large inbound packet still to drop
         self.upmax = 268435460
         self._rebuild_latest()
-        if self.q.created:
-            self._initial_sync()
         self.relq = []  # PUBRELs waiting for their "R" records' commit
         self.connects = 0  # successful connections this run
         self.maxqos = 2
+        self.rtok = 1  # the upstream has retained messages (Retain Available)
         self.last_ping = 0
         self.last_state = 0
         self.rerr = None
@@ -763,6 +783,9 @@ class Bridge:
         self.wall = 0
         self.rbuf = bytearray()
         self.connack = None
+        self.synced = 0  # queue offset after the last retained sync's records
+        if self.q.created:
+            self._sync()  # last: put() reads the state above
 
     def log(self, level, fmt, *args):
         self.eng.log(level, "bridge %s: " % self.name + fmt, *args)
@@ -784,7 +807,11 @@ class Bridge:
                 break
         else:
             return False
-        tb = rb + msg[0][ll:]  # the remote topic, from the topic's bytes
+        # the remote topic, from the topic's bytes: the local prefix swapped
+        # for the remote one, or the remote one added to the parent ("l" of
+        # "l/#"), which does not start with it (mosquitto's mapping)
+        tb = msg[0]
+        tb = rb + (tb[ll:] if len(tb) >= ll else tb)
         qos = msg[2]
         if qos > rq:
             qos = rq
@@ -856,6 +883,7 @@ class Bridge:
         self.hiwater = max(0, self.hiwater - delta)
         self.sfront = max(_HDR, self.sfront - delta)
         self.lstart = max(0, self.lstart - delta)
+        self.synced = max(0, self.synced - delta)
         self.sstart = max(0, self.sstart - delta)
         self.lpos = max(_HDR, self.lpos - delta)
         self.lfront = max(_HDR, self.lfront - delta)
@@ -882,7 +910,10 @@ class Bridge:
             return
         lx[h] = pos
 
-    def _superseded(self, tb, pos):
+    def _superseded(self, tb, pos, retain):
+        # a retained record gives way only to a newer retained one: the
+        # upstream's retained state must become the local one (a change or
+        # a delete followed by a plain message of the topic is still sent)
         h = _crc32(tb)
         at = self.latest.get(h)
         if at is None or at == pos:
@@ -893,7 +924,7 @@ class Bridge:
             return False
         rt, body, nxt = self.q.read(at)
         m = decode_msg(body) if rt == T_MSG else None
-        return m is not None and m[4] == tb
+        return m is not None and m[4] == tb and (not retain or m[1] & F_RETAIN)
 
     def _rebuild_latest(self):
         q = self.q
@@ -911,10 +942,11 @@ class Bridge:
                         self._latest_at(m[4], pos)
             pos = nxt
 
-    def _initial_sync(self):
-        # a new queue file: the upstream gets the retained state of the
-        # outbound topics once (later changes, deletes included, follow
-        # through the queue)
+    def _sync(self):
+        # the upstream gets the retained state of the outbound topics: for
+        # a new queue file, and when the upstream has no session of ours
+        # (it lost its state, e.g. restarted without persistence); later
+        # changes, deletes included, follow through the queue
         store = self.eng.store
         for o in self.outr:
             r = o[1]
@@ -925,6 +957,7 @@ class Bridge:
                         break
                 if o2[1] is r:
                     self.put(m, 1, None, topic)
+        self.synced = self.q.end
         self.eng.sdirty = True  # committed at the first turn
 
     # ------------------------------------------------------------ writing
@@ -944,7 +977,8 @@ class Bridge:
         if o is None:
             o = self.out
             self.sent += 1
-        first = 0x30 | qos << 1 | (8 if dup else 0) | (1 if retain else 0)
+        # retained only where the upstream has them (MQTT-3.2.2-14)
+        first = 0x30 | qos << 1 | (8 if dup else 0) | (1 if retain and self.rtok else 0)
         if n < 128:
             o += pack(">BBH", first, n, tl)  # the usual short packet: one pack
         else:
@@ -1075,7 +1109,7 @@ class Bridge:
                     self.toolarge += 1
                     self._skip(live, inf, pos)
                     continue
-                if flags & F_LATEST and self._superseded(bytes(tb), at):
+                if flags & F_LATEST and self._superseded(bytes(tb), at, flags & F_RETAIN):
                     self.lskip += 1
                     self._skip(live, inf, pos)
                     continue
@@ -1089,6 +1123,14 @@ class Bridge:
                         continue
                 else:
                     exp = -1
+                if qos > self.maxqos:
+                    # the upstream's Maximum QoS (MQTT-3.2.2-11; mosquitto's
+                    # bridge downgrades too); at 0 it is sent and done
+                    qos = self.maxqos
+                    if not qos:
+                        self._publish(tb, 0, flags & F_RETAIN, 0, props, exp, payload, False)
+                        self._skip(live, inf, pos)
+                        continue
                 pid = seq % _PIDS + 1
             if pid in self.pids:
                 pos = at  # its id is still in flight: wait for the ack
@@ -1143,7 +1185,7 @@ class Bridge:
             if m is None:
                 return
             qos, flags, exp, w, tb, props, payload, seq = m
-            if flags & (F_LATEST | F_EXP) or (qos == 2 and seq in q.rel):
+            if flags & (F_LATEST | F_EXP) or (qos == 2 and seq in q.rel) or qos > self.maxqos:
                 return
             if len(tb) + len(props) + len(payload) + 16 > self.upmax:
                 return
@@ -1280,7 +1322,8 @@ class Bridge:
         payload = bytearray(eb.mqstr(c["client_id"]))
         if c["status"]:
             # the upstream publishes "offline" retained when the link dies
-            flags |= 0x04 | 0x08 | 0x20  # will, will QoS 1, will retain
+            # will, QoS 1, retain
+            flags |= 0x04 | (0x08 if self.maxqos else 0) | (0x20 if self.rtok else 0)
             if ver == 5:
                 payload += b"\x00"  # will properties
             payload += eb.mqstr(self.status_topic()) + eb.mqstr(b"offline")
@@ -1390,8 +1433,8 @@ class Bridge:
         if c["tls"]:
             s = self.sock = await self._tls(aio, s, clock() + c["connect_timeout"])
         self.rbuf = bytearray()
+        self.skip = 0
         self.connack = None
-        self.in2 = {}
         self.relq = []
         self.out = bytearray(self._connect_packet())
         self.last_rx = self.last_tx = self.last_ping = self.last_ack = clock()
@@ -1440,10 +1483,19 @@ class Bridge:
                 0x8A: "banned",
                 0x88: "server unavailable",
                 0x84: "unsupported protocol version",
+                0x9A: "retain not supported: the next will is not retained",
+                0x9B: "QoS not supported: the next will is QoS 0",
             }
+            # our will asked for what the upstream lacks (MQTT-3.2.2-12/13):
+            # the next CONNECT's will does without
+            if rc == 0x9A:
+                self.rtok = 0
+            elif rc == 0x9B:
+                self.maxqos = 0
             raise _Down("CONNACK refused 0x%02x (%s)" % (rc, why.get(rc, "see the upstream's log")))
         self.window = min(self.c["max_inflight"], props.get(0x21, 65535))
         self.maxqos = props.get(0x24, 2)
+        self.rtok = props.get(0x25, 1)
         self.upmax = props.get(0x27, 268435460)  # the upstream's Maximum Packet Size
         self._unprep()  # made for the last connection (its DUP flags, its limits)
         self.up = True
@@ -1465,7 +1517,17 @@ class Bridge:
             self.rwait = [e for e in self.inflight + self.linf if e[_I_ACK] != 1]
             self._resends()
         else:
+            # the inbound QoS 2 ids we took belong to the session: kept over
+            # a reconnect that resumes it, so a resent PUBLISH (DUP) is not
+            # published twice (4.3.3), cleared with it
+            self.in2 = {}
             self._restart()
+            if self.q.cursor >= self.synced:
+                # no session of ours upstream: it may have lost its retained
+                # messages too (restarted without persistence). One sync at
+                # a time: none while the last one is still queued (a new
+                # queue's first connect, a link that keeps coming back new)
+                self._sync()
         if self.c["status"]:
             self.spid = -1
             self._status()
@@ -1473,7 +1535,11 @@ class Bridge:
         for f, _fl, r in self.inr:
             # No Local (MQTT-3.8.3-3): our own publishes never come back;
             # Retain As Published: a retained upstream message stays retained
-            opts = r["qos"] | (0x04 | 0x08 if self.c["protocol"] == 5 else 0)
+            # Retain Handling 1 (3.8.3.1): retained messages only for a new
+            # subscription; a resumed session's (ours, sent on every
+            # connect) would bring back our own retained messages, older
+            # than what the queue still holds for them
+            opts = r["qos"] | (0x04 | 0x08 | 0x10 if self.c["protocol"] == 5 else 0)
             subs += eb.mqstr(f) + bytes((opts,))
         if subs:
             p = b"\x00" if self.c["protocol"] == 5 else b""
@@ -1520,7 +1586,10 @@ class Bridge:
     def _status(self):
         # the waiting status PUBLISH goes once the window has room (a
         # resumed session may have filled it): _connected, then _fill
-        if self._flight() < self.window:
+        if not self.maxqos:
+            self.spid = 0  # the upstream's Maximum QoS 0: no acknowledgement to wait for
+            self._publish(self.status_topic().encode(), 0, 1, 0, b"", -1, b"online", False)
+        elif self._flight() < self.window:
             p = self.spid = self._pid_status()
             self._publish(self.status_topic().encode(), 1, 1, p, b"", -1, b"online", False)
 
@@ -1754,6 +1823,10 @@ class Bridge:
         b = self.rbuf
         i = 0
         n = len(b)
+        if self.skip:
+            # the rest of an inbound PUBLISH too large to take (below)
+            i = min(self.skip, n)
+            self.skip -= i
         while n - i >= 2:
             if acks and b[i] >> 4 not in (4, 5, 7, 13):
                 break  # PUBACK, PUBREC, PUBCOMP, PINGRESP only
@@ -1774,8 +1847,32 @@ class Bridge:
                     raise _Down("malformed length")
             if ln > self.eng.max_packet:
                 # a 3.1.1 upstream knows no Maximum Packet Size: never buffer
-                # more than max_packet_size for one packet
-                raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
+                # more than max_packet_size for one packet. A PUBLISH is
+                # acknowledged and dropped unread (its session would send it
+                # again on every connect), anything else ends the link
+                if acks or b[i] >> 4 != 3:
+                    raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
+                if j + 2 > n:
+                    break
+                qos = b[i] >> 1 & 3
+                h = 2 + (b[j] << 8 | b[j + 1]) + (2 if qos else 0)
+                if h > self.eng.max_packet:
+                    raise _Down("packet of %d bytes from upstream over max_packet_size" % ln)
+                if j + h > n:
+                    break  # its packet identifier is still to come
+                if qos:
+                    pid = b[j + h - 2] << 8 | b[j + h - 1]
+                    self.out += (b"\x40\x02" if qos == 1 else b"\x50\x02") + eb.u16(pid)
+                    if qos == 2:
+                        self.in2[pid] = 1  # its PUBREL gets the PUBCOMP
+                self.indrop += 1
+                self.log("warning", "inbound PUBLISH of %d bytes over max_packet_size: dropped", ln)
+                if j + ln > n:
+                    self.skip = j + ln - n
+                    i = n
+                    break
+                i = j + ln
+                continue
             if ln < 0 or j + ln > n:
                 break
             self._handle(b[i], b, j, j + ln)
@@ -1849,7 +1946,7 @@ class Bridge:
                 break
         else:
             return False
-        local = r["local_prefix"] + topic[len(r["remote_prefix"]) :]
+        local = _remap(topic, r["remote_prefix"], r["local_prefix"])
         if self.c["protocol"] == 4:
             # 3.1.1 has no No Local: a topic the bridge also sends up may be
             # our own message coming back, so it is not published locally
@@ -1857,7 +1954,7 @@ class Bridge:
                 r2 = o[1]
                 if (
                     eb.topic_matches(o[0], local)
-                    and r2["remote_prefix"] + local[len(r2["local_prefix"]) :] == topic
+                    and _remap(local, r2["local_prefix"], r2["remote_prefix"]) == topic
                 ):
                     self.looped += 1
                     return True
@@ -1865,6 +1962,7 @@ class Bridge:
         try:
             self.broker.publish(local, payload, min(qos, r["qos"]), bool(retain), props or None)
         except (ValueError, OSError) as e:
+            self.indrop += 1
             self.log("warning", "inbound %s not published: %s", local, _why(e))
             return False
         finally:
@@ -1886,7 +1984,6 @@ class Bridge:
         except OSError:
             pass
         self.out = bytearray()
-        self.in2 = {}
         self.relq = []
         if was:
             self.hiwater = max(self.hiwater, self.sendpos, self.lpos)
@@ -1925,6 +2022,8 @@ class Bridge:
             "latest_skipped": self.lskip,
             "echo_dropped": self.looped,
             "too_large": self.toolarge,
+            "latest_untracked": self.lfull,
+            "inbound_dropped": self.indrop,
             "sent": self.sent,
             "acked": self.acked,
             "live_sent": self.lsent,

@@ -1229,6 +1229,15 @@ def _check_bridges(report: Report, cfg: Profile, on: str) -> None:
                 f"bridges[{i}].retry_min = {b.get('retry_min')}: must be <= retry_max "
                 f"{b.get('retry_max', 60)}",
             )
+    if not any(i.key.startswith("bridges") for i in report.errors):
+        # what the schema cannot say (topic filters under their prefixes):
+        # the broker's own check, so that nothing it would refuse at start
+        # passes here
+        try:
+            runner.lib_module("edgebridge").check(list(bridges), str(cfg.get("board", "")))
+        except ValueError as exc:
+            key = str(exc).split(":", 1)[0]
+            report.error(key, f"{exc}{on}")
 
 
 def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:
