@@ -207,6 +207,25 @@ def test_cli_run_secrets_users_checked_like_a_profile(tmp_path):
         assert "listening" not in r.stdout
 
 
+def test_cli_run_secrets_users_and_the_profiles_together_keep_the_bound(tmp_path):
+    """The secrets file's users join the profile's: 200 + 100 users pass
+    the schema's 256 each alone, and are refused together in one line
+    (the broker took all 300 before)."""
+    prof = json.loads((REPO / "boards" / "host.json").read_text())
+    prof.update(allow_anonymous=False, users={"u%d" % i: "pw-%d-long-enough" % i
+                                              for i in range(200)})
+    board = tmp_path / "p.json"
+    board.write_text(json.dumps(prof))
+    sec = tmp_path / "secrets.json"
+    sec.write_text(json.dumps({"users": {"v%d" % i: "pw-%d-long-enough" % i for i in range(100)}}))
+    r = subprocess.run([str(EDGEBROKER), "run", "--board", str(board), "--secrets", str(sec),
+                        "--port", str(_free_port()), "--data-dir", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "users: 300 with the profile's, must be at most 256" in r.stderr, r.stderr
+    assert "listening" not in r.stdout
+
+
 @pytest.mark.parametrize("interpreter", ["cpython", "micropython"])
 def test_broker_stops_when_its_wrapper_is_killed(tmp_path, interpreter):
     """`edgebroker run` killed outright (SIGKILL: no signal to forward): the

@@ -1416,6 +1416,23 @@ def check_secret_bridges(secrets: Any, profile: Mapping[str, Any]) -> str | None
     return None
 
 
+def check_merged_users(report: Report, users: Any, profile: Mapping[str, Any]) -> None:
+    """A secrets file's users join the profile's (with_secrets): together
+    they are held to the schema's bound on users, which each one alone
+    passes."""
+    if not isinstance(users, dict):
+        return
+    own = profile.get("users")
+    names = set(users) | (set(own) if isinstance(own, dict) else set())
+    most = int(load_schema()["properties"]["users"]["maxProperties"])
+    if len(names) > most:
+        report.error(
+            "users",
+            f"users: {len(names)} with the profile's, must be at most {most} "
+            "(the profile's and the secrets file's together)",
+        )
+
+
 def check_users(report: Report, users: Any, where: str) -> None:
     """Each password entry: pbkdf2 well formed (error), bare sha256 (error),
     plain text (warning). Messages never repeat a password."""

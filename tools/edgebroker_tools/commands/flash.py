@@ -553,6 +553,7 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
     # the gateway merges these users into the profile: the profile's rules apply
     users = profiles.Report(target.name, {})
     profiles.check_users(users, data.get("users"), "users")
+    profiles.check_merged_users(users, data.get("users"), target.profile)
     if users.errors:
         raise CommandError(f"secrets file {path}: " + "; ".join(i.text for i in users.errors))
     warnings += [i.text for i in users.warnings]

@@ -128,6 +128,7 @@ def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
     if isinstance(users, dict):
         report = profiles.Report(str(path), {})
         profiles.check_users(report, users, "users")
+        profiles.check_merged_users(report, users, profile)
         if report.errors:
             raise CommandError(f"secrets file {path}: {report.errors[0].text}")
     return path.resolve()
