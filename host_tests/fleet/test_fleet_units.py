@@ -15,13 +15,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from mqtt_helpers import free_port
-
 from edgebroker_tools.cli import main as cli_main
 from edgebroker_tools.fleet import collect, decode, mqtt5, props, synth
 from edgebroker_tools.fleet.inventory import InventoryError, load_inventory
 from edgebroker_tools.fleet.progress import Progress
 from edgebroker_tools.fleet.schema import FACT_COLUMNS, SNAPSHOT_SCHEMA, TOTAL_COLUMNS
+from mqtt_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "host_tests" / "data"
@@ -317,7 +316,9 @@ def test_collect_logs_failures_and_keeps_going(tmp_path: Path) -> None:
     assert sum(r.ok for r in results) == 1
     log = [json.loads(x) for x in (out / "collect_log.jsonl").read_text().splitlines()]
     assert len(log) == 6
-    assert {e["gateway_id"] for e in log if e["status"] == "failed"} == {f"gw-{i}" for i in range(5)}
+    assert {e["gateway_id"] for e in log if e["status"] == "failed"} == {
+        f"gw-{i}" for i in range(5)
+    }
     assert all(e["attempts"] == 2 for e in log if e["status"] == "failed")
     store = next(e for e in log if e["gateway_id"] == "gw-store")
     copied = out / store["file"]
@@ -353,7 +354,9 @@ def test_store_file_decodes_as_the_broker_would_load_it() -> None:
     rows = {r["topic"]: r for r in table.to_pylist()}
     assert rows[None]["gateway_id"] == "gw-s"  # the collection's header row
     assert {t: r["payload"] for t, r in rows.items() if t} == {
-        "sensors/t1": b"22.0", "config/mode": b"auto", "$app/version": b"1.2",
+        "sensors/t1": b"22.0",
+        "config/mode": b"auto",
+        "$app/version": b"1.2",
         "caf\u00e9/\u6c34": b"\x00\x01\xff",
     }  # fmt: skip  (alerts/door's Message Expiry has run out by WHEN)
     assert rows["sensors/t1"]["qos"] == 2  # the replacing PUT's
@@ -486,7 +489,7 @@ def test_ingest_reports_each_file_and_yields_only_good_ones(tmp_path: Path) -> N
 def test_synth_is_deterministic_and_has_the_asked_shape(tmp_path: Path) -> None:
     a = synth.generate(tmp_path / "a", 30, 20, 3, seed=7, missing=0.0, per_file=10)
     b = synth.generate(tmp_path / "b", 30, 20, 3, seed=7, missing=0.0, per_file=10)
-    assert a.rows == 30 * 20 * 3 and a.files == 9
+    assert a.rows == b.rows == 30 * 20 * 3 and a.files == 9
     for fa in sorted((tmp_path / "a").rglob("*.parquet")):
         fb = tmp_path / "b" / fa.relative_to(tmp_path / "a")
         assert pq.read_table(fa).equals(pq.read_table(fb))
@@ -537,3 +540,188 @@ def test_advice_says_why_each_limit_changes() -> None:
     why = refused[0]["why_max_retained_messages"]
     assert why.startswith("raise max_retained_messages 256 -> 320")
     assert "14 refused (retained_full) at the limit 256" in why
+
+
+def test_advice_rounds_the_exact_product_not_its_float_noise() -> None:
+    # 400 x 1.1 is 440.00000000000006 in floats: the advice must be 440 (a
+    # multiple of 8 already), not the next multiple; the same for the
+    # refusal floor (the current limit x headroom) and the other limits
+    from edgebroker_tools.fleet import job
+
+    stats = _stats(8, 24) | {
+        "count_q": [400.0, 400.0, 400.0], "retained_count_max": 400,
+        "payload_q": [1600.0, 1600.0, 1600.0], "max_payload_max": 1600,
+        "bytes_q": [409600.0, 409600.0, 409600.0], "retained_bytes_max": 409600,
+    }  # fmt: skip
+    (row,), _ = job.advise([stats], 1.1, None)
+    assert row["suggested_max_retained_messages"] == 440
+    assert row["suggested_store_budget_bytes"] == 450560
+    assert row["why_store_budget_bytes"].endswith("to a multiple of 4,096 -> 450,560")
+    (row,), _ = job.advise([stats], 2.2, None)
+    assert row["suggested_max_payload_size"] == 3520  # 1,600 x 2.2, a multiple of 64
+    floor = stats | {"current_max_retained_messages": 400, "count_q": [1.0, 1.0, 1.0],
+                     "retained_count_max": 1, "rf": 3}  # fmt: skip
+    (row,), _ = job.advise([floor], 1.1, None)
+    assert row["suggested_max_retained_messages"] == 440  # limit 400 x 1.1
+    assert job._round_up(440.5, 8) == 448 and job._round_up(0.2, 8) == 8
+
+
+def test_advice_gives_gateways_without_a_board_no_row_and_no_patch() -> None:
+    from edgebroker_tools.fleet import job
+
+    rows, patches = job.advise([_stats(8, 24) | {"board": None}, _stats(8, 24)], 1.25, None)
+    assert [r["board"] for r in rows] == ["esp32"] and list(patches) == ["esp32"]
+
+
+# ----------------------------------------------------------------- report
+def _warehouse(root: Path, health: list[dict[str, Any]]) -> Path:
+    """A committed warehouse written with pyarrow (the report reads nothing else)."""
+    from edgebroker_tools.fleet import report
+
+    types: dict[str, pa.DataType] = {
+        "gateway_id": pa.string(), "board": pa.string(), "collected_at": pa.timestamp("us", "UTC"),
+        "is_latest": pa.bool_(), "refusals": pa.map_(pa.string(), pa.int64()),
+        "near_limit": pa.bool_(), "low_heap": pa.bool_(),
+        **{c: pa.float64() for c in ("retained_util", "bytes_util", "payload_util",
+                                     "heap_util", "clients_util")},
+    }  # fmt: skip
+    schema = pa.schema([(c, types.get(c, pa.int64())) for c in report.HEALTH_READ])
+    tables = {
+        "gateway_health": pa.Table.from_pylist(health, schema=schema),
+        "fleet_state": pa.Table.from_pylist(
+            [
+                {
+                    "gateway_id": r["gateway_id"],
+                    "board": r.get("board"),
+                    "topic": "t",
+                    "stale_reason": None,
+                }
+                for r in health
+            ],
+            schema=pa.schema(
+                [
+                    ("gateway_id", pa.string()),
+                    ("board", pa.string()),
+                    ("topic", pa.string()),
+                    ("stale_reason", pa.string()),
+                ]
+            ),
+        ),
+        "topic_history": pa.table({"segment": pa.array([1] * len(health), pa.int64())}),
+        "collect_status": pa.table(
+            {"gateway_id": pa.array([], pa.string()), "status": pa.array([], pa.string())}
+        ),
+        "limits_advice": pa.table(
+            {"board": pa.array([], pa.string()), "status": pa.array([], pa.string())}
+        ),
+    }
+    for name, table in tables.items():
+        (root / "builds" / "b1" / name).mkdir(parents=True)
+        pq.write_table(table, root / "builds" / "b1" / name / "part-0.parquet")
+    (root / "_commits").mkdir()
+    record = {"seq": 1, "build_id": "b1", "patches": "builds/b1/patches",
+              "tables": {n: f"builds/b1/{n}" for n in tables}, "build": {}}  # fmt: skip
+    (root / "_commits" / "00000000000000000001.json").write_text(json.dumps(record))
+    return root
+
+
+def test_report_shows_a_measurement_nobody_sent_as_no_data_and_a_missing_board(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # gw-1 sent no $SYS rows (no heap, no clients): "-", not "0%"; gw-2's
+    # snapshot named no board: "(unknown)", and the report still renders
+    from edgebroker_tools.fleet import report
+
+    at = datetime(2025, 6, 1, tzinfo=UTC)
+    wh = _warehouse(tmp_path / "wh", [
+        {"gateway_id": "gw-1", "board": "esp32", "collected_at": at, "is_latest": True,
+         "retained_util": 0.05, "payload_util": 0.02, "near_limit": False, "low_heap": False},
+        {"gateway_id": "gw-2", "board": None, "collected_at": at, "is_latest": True,
+         "retained_util": 0.5, "near_limit": False, "low_heap": False},
+    ])  # fmt: skip
+    data = report.load(str(wh))
+    assert [u.board for u in data.boards] == ["(unknown)", "esp32"]
+    esp = next(u for u in data.boards if u.board == "esp32")
+    assert esp.quantiles["heap_util"] == (None, None, None)
+    assert esp.quantiles["retained_util"] == (0.05, 0.05, 0.05)
+    assert cli_main(["fleet", "report", str(wh)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("esp32") and "%" in x)
+    assert line.split()[2:5] == ["-", "/", "-"]  # heap: no data
+    assert "0% / 0% / 0%" not in out and "(unknown)" in out
+    page = (wh / "report.html").read_text()
+    assert "0% / 0% / 0%" not in page and "no data" in page
+
+
+# ------------------------------------------------------ options out of range
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["build", "--stale-after", "inf"], "argument --stale-after: inf: expected 0 < hours <= "),
+        (["build", "--stale-after", "1e20"], "argument --stale-after: 1e+20: expected 0 < hours"),
+        (["synth", "--interval", "inf"], "argument --interval: inf: expected 0 < seconds <= "),
+        (["synth", "--interval", "1e20"], "argument --interval: 1e+20: expected 0 < seconds"),
+        (["synth", "--seed", "-1"], "argument --seed: -1: expected an integer >= 0"),
+        (["collect", "--timeout", "inf"], "argument --timeout: inf: expected 0 < seconds <= "),
+    ],
+)
+def test_options_out_of_range_are_refused_in_one_line_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    where = {
+        "build": ["--snapshots", str(tmp_path), "--out", str(tmp_path / "wh")],
+        "synth": ["--gateways", "1", "--topics", "1", "--snapshots", "2",
+                  "--out", str(tmp_path / "snaps")],
+        "collect": ["--inventory", str(tmp_path / "fleet.json"), "--out", str(tmp_path / "snaps")],
+    }[args[0]]  # fmt: skip
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["fleet", args[0], *where, *args[1:]])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not (tmp_path / "wh").exists() and not (tmp_path / "snaps").exists()
+
+
+def test_synth_refuses_collections_past_the_last_representable_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "snaps"
+    args = ["fleet", "synth", "--gateways", "1", "--topics", "1", "--out", str(out)]
+    assert cli_main([*args, "--snapshots", "2", "--start", "9999-12-31T23:00:00Z"]) == 2
+    line = _one_error_line(capsys)
+    assert "--start 9999-12-31T23:00:00Z" in line and "expected --start <= " in line
+    assert "expected --start <= 9999-12-31T17:54:59Z" in line  # 6 h and the 5 min jitter
+    assert not out.exists()  # refused before the first file
+
+
+def test_build_refuses_an_out_that_is_a_file_before_starting_spark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgebroker_tools.fleet import job
+
+    (tmp_path / "snaps").mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    for out in (afile, afile / "wh", afile.as_uri()):
+        args = ["--snapshots", str(tmp_path / "snaps"), "--out", str(out)]
+        assert cli_main(["fleet", "build", *args, "--no-progress"]) == 2
+        line = _one_error_line(capsys)
+        assert f"--out {out}: " in line and "not a directory" in line
+        assert job.main([*args, "--no-progress"]) == 2  # the spark-submit entry
+        assert f"fleet-job: error: --out {out}: " in capsys.readouterr().err
+    assert afile.read_text() == "x\n"
+
+
+def test_sys_rows_without_their_text_get_it_from_the_payload() -> None:
+    # a writer that left payload_text null: the build reads the $SYS
+    # statistics from the text, so the observations carry it
+    rows = [
+        {"gateway_id": "g", "collected_at": WHEN, "topic": None, "payload": None},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "a", "payload": b"1"},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "$SYS/broker/heap/free",
+         "payload": b"2999", "payload_text": None},
+        {"gateway_id": "g", "collected_at": WHEN, "topic": "$SYS/broker/x", "payload": b"\xff"},
+    ]  # fmt: skip
+    table = pa.Table.from_pylist(rows, schema=SNAPSHOT_SCHEMA)
+    text = decode.sys_text_only(table).column("payload_text").to_pylist()
+    assert text == [None, None, "2999", None]

@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 
 from edgebroker_tools.commands import CommandError
 from edgebroker_tools.fleet import job_args
@@ -42,13 +43,37 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+#: The largest --timeout, --connect-timeout and --quiet of collect (a day).
+MAX_WAIT_S: Final = 86400.0
+#: The largest --interval of synth (a year).
+MAX_INTERVAL_S: Final = 365 * 86400.0
+
+
+def _seconds_up_to(limit: float) -> Callable[[str], float]:
+    """An argparse type: seconds, 0 < s <= limit (nan and inf refused)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid time {text!r}: expected seconds") from None
+        if not 0 < value <= limit:
+            raise argparse.ArgumentTypeError(f"{value:g}: expected 0 < seconds <= {limit:.0f}")
+        return value
+
+    return seconds
+
+
+_seconds = _seconds_up_to(MAX_WAIT_S)
+
+
+def _seed(text: str) -> int:
     try:
-        value = float(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid time {text!r}: expected seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be more than 0 seconds")
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer >= 0")
     return value
 
 
@@ -132,12 +157,15 @@ def register(subparsers: Subparsers) -> None:
     synth.add_argument("--topics", type=_positive_int, required=True, metavar="M")
     synth.add_argument("--snapshots", type=_positive_int, required=True, metavar="K")
     synth.add_argument("--out", type=Path, required=True, metavar="SNAPSHOTS/")
-    synth.add_argument("--seed", type=int, default=1)
+    synth.add_argument("--seed", type=_seed, default=1, help="0 or more (default 1)")
     synth.add_argument(
         "--start", default="2025-06-01T00:00:00Z", help="first collection (ISO 8601, UTC)"
     )
     synth.add_argument(
-        "--interval", type=_seconds, default=6 * 3600.0, help="seconds between collections"
+        "--interval",
+        type=_seconds_up_to(MAX_INTERVAL_S),
+        default=6 * 3600.0,
+        help="seconds between collections (default 21600, at most a year)",
     )
     synth.add_argument(
         "--per-file", type=_positive_int, default=1000, help="gateways per file and collection"
@@ -241,6 +269,11 @@ def handle_synth(args: argparse.Namespace) -> int:
         raise CommandError(f"--start: {exc}") from None
     if not 0 <= args.missing < 1:
         raise CommandError(f"--missing {args.missing}: expected 0 <= p < 1")
+    interval = timedelta(seconds=float(args.interval))
+    try:
+        synth.check_times(start, interval, int(args.snapshots))
+    except ValueError as exc:
+        raise CommandError(f"--start {args.start}: {exc}") from None
     result = synth.generate(
         cast(Path, args.out),
         int(args.gateways),
@@ -248,7 +281,7 @@ def handle_synth(args: argparse.Namespace) -> int:
         int(args.snapshots),
         seed=int(args.seed),
         start=start,
-        interval=timedelta(seconds=float(args.interval)),
+        interval=interval,
         per_file=int(args.per_file),
         missing=float(args.missing),
     )

@@ -231,10 +231,22 @@ def sys_text_only(table: pa.Table) -> pa.Table:
     """payload_text kept on the $SYS rows only, null on the others: the build
     reads it there (the statistics) and derives a retained row's text from
     its payload where it needs it (topic_history), so the observations carry
-    and store no second copy of every payload."""
-    sys_rows = pc.fill_null(pc.starts_with(table.column("topic"), "$SYS"), pa.scalar(False))
+    and store no second copy of every payload. A $SYS row whose writer left
+    its text out (null, the payload UTF-8) gets it from its payload: the
+    build reads the statistics from the text."""
+    sys_rows = cast(
+        "pa.ChunkedArray[Any]",
+        pc.fill_null(pc.starts_with(table.column("topic"), "$SYS"), pa.scalar(False)),
+    )
     i = table.schema.get_field_index("payload_text")
     text = pc.if_else(sys_rows, table.column(i), pa.scalar(None, pa.string()))
+    untold = pc.and_(pc.and_(sys_rows, pc.is_null(text)), pc.is_valid(table.column("payload")))
+    if pc.any(untold).as_py():  # a few $SYS rows at most: decoded one by one
+        payloads = cast(list["bytes | None"], table.column("payload").to_pylist())
+        texts = cast(list["str | None"], text.to_pylist())
+        for k in cast(list[int], pc.indices_nonzero(untold).to_pylist()):
+            texts[k] = utf8_text(cast(bytes, payloads[k]))
+        text = pa.chunked_array([pa.array(texts, pa.string())])
     return table.set_column(i, table.schema.field(i), text)
 
 

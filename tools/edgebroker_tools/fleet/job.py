@@ -36,8 +36,12 @@ commit protocol: schema.py):
    one, so the tables depend on the set of rows ingested, never on the
    order of builds: a build over the same input gives the same tables, and
    a build with new snapshots merges them in (a late, older snapshot too).
-   A collection (gateway, collected_at) that arrived twice counts once
-   (the latest batch's copy).
+   A collection (gateway, collected_at) that arrived twice counts once,
+   and one split over several files is merged (dedupe(); schema.py, "A
+   collection in several files"): of each input file, the latest batch
+   that ingested it; of files that share a topic (a copy under a second
+   name, an earlier version), the latest (batch, file name) only; files
+   that share no topic are parts, and their rows are merged.
 4. Tables go to WAREHOUSE/builds/<build_id>/; then the commit record that
    names them (and the batches and input files) is written under a hidden
    name and renamed into WAREHOUSE/_commits/: until that rename readers see
@@ -70,7 +74,10 @@ Definitions:
 - limits_advice, per board, over each gateway's latest collection:
   max_retained_messages = max(p99 x headroom, max), to a multiple of 8;
   max_payload_size = largest payload x headroom, to a multiple of 64;
-  store_budget_bytes = max(p99 x headroom, max), to a multiple of 4096.
+  store_budget_bytes = max(p99 x headroom, max), to a multiple of 4096
+  (the products exact, of the decimals the figures print as: 400 x 1.1 is
+  440, not the float 440.00000000000006 and so 448). Gateways whose
+  snapshots name no board get no advice (no row, no patch).
   A board whose gateways refused retained messages (retained_full,
   retained_too_large) was cut at its limit, so its data understates the
   need: the advice is then at least the current limit x headroom. Each
@@ -101,6 +108,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
+from fractions import Fraction
 from typing import Any, Final, cast
 
 import pyarrow as pa
@@ -519,28 +527,61 @@ def _sys(name: str) -> Column:
 
 
 def dedupe(base: DataFrame) -> DataFrame:
-    """One copy of each collection: the latest batch's (then the largest file name).
+    """A collection in more than one (batch, file), made one (schema.py, "A
+    collection in several files"):
 
-    A collection is in more than one (batch, file) only when a file was
-    copied or changed and ingested again; collections() flags those (its
-    _lo/_hi columns differ), and only then does the build call this: a
-    small aggregate over the flagged keys, then a broadcast join.
+    1. of each input file (_file, its path) only the rows of the latest batch
+       that ingested it: a file changed or touched and ingested again replaces
+       its earlier copy;
+    2. of files of the collection that share a topic (a copy under another
+       name, an earlier version), only the latest (batch, file name) is kept,
+       whole: a file that shares a topic with a later one is dropped;
+    3. files that share no topic are parts of the collection: merged (their
+       header rows' totals add up, as they count disjoint rows).
+
+    collections() flags such a collection (its _lo/_hi columns differ), and
+    only then does the build call this: small aggregates over the header
+    rows and the flagged collections' rows, then broadcast joins.
     """
-    key = F.struct(F.col("batch"), F.col("_file"))
+    keys = ["gateway_id", "collected_at"]
+    topic = F.col("topic")
     h = _file_hash()
-    keys = base.groupBy("gateway_id", "collected_at").agg(
-        F.min(h).alias("_lo"), F.max(h).alias("_hi")
+    heads = base.where(topic.isNull()).select(*keys, "batch", "_file")
+    suspects = (
+        heads.groupBy(*keys)
+        .agg(F.min(h).alias("_lo"), F.max(h).alias("_hi"))
+        .where(F.col("_lo") != F.col("_hi"))
+        .select(*keys)
     )
-    suspects = keys.where(F.col("_lo") != F.col("_hi")).select("gateway_id", "collected_at")
-    dups = (
-        base.join(F.broadcast(suspects), ["gateway_id", "collected_at"])
-        .groupBy("gateway_id", "collected_at")
-        .agg(F.max(key).alias("_keep"))
+    # 1. each file's latest batch (every file of a collection has its header rows)
+    latest = (
+        heads.join(F.broadcast(suspects), keys)
+        .groupBy(*keys, "_file")
+        .agg(F.max("batch").alias("_file_batch"))
+    )
+    current = F.col("_file_batch").isNull() | (F.col("batch") == F.col("_file_batch"))
+    rows = (
+        base.where(topic.isNotNull())
+        .select(*keys, "topic", "batch", "_file")
+        .join(F.broadcast(latest), [*keys, "_file"])
+        .where(current)
+    )
+    # 2. a file that shares a topic with a later (batch, file name) is dropped
+    version = F.struct(F.col("batch"), F.col("_file"))
+    top = rows.groupBy(*keys, "topic").agg(F.max(version).alias("_top"))
+    dropped = (
+        rows.join(top, [*keys, "topic"])
+        .where(version < F.col("_top"))
+        .select(*keys, "batch", "_file")
+        .distinct()
+        .withColumn("_dropped", F.lit(True))
     )
     return (
-        base.join(F.broadcast(dups), ["gateway_id", "collected_at"], "left")
-        .where(F.col("_keep").isNull() | (key == F.col("_keep")))
-        .drop("_keep")
+        base.join(F.broadcast(latest), [*keys, "_file"], "left")
+        .where(current)
+        .join(F.broadcast(dropped), [*keys, "batch", "_file"], "left")
+        .where(F.col("_dropped").isNull())
+        .drop("_file_batch", "_dropped")
     )
 
 
@@ -566,6 +607,21 @@ def collections(obs: DataFrame) -> DataFrame:
         F.struct(
             F.substring(topic, len(SYS_PREFIX) + len("refusals/") + 1, 1000).alias("cause"),
             F.col("payload_text").try_cast("long").alias("count"),
+        ),
+    )
+    # one entry per cause, with a count (the largest, should a cause come
+    # twice: a collection not yet deduped, which the build writes again,
+    # or a file that repeats a row), so that health()'s map has no
+    # repeated key (Spark refuses those)
+    counted = F.filter(F.collect_list(refusal), lambda r: r["count"].isNotNull())
+    causes = F.array_sort(F.array_distinct(F.transform(counted, lambda r: r["cause"])))
+    refusals = F.transform(
+        causes,
+        lambda c: F.struct(
+            c.alias("cause"),
+            F.array_max(
+                F.transform(F.filter(counted, lambda r: r["cause"] == c), lambda r: r["count"])
+            ).alias("count"),
         ),
     )
     return (
@@ -594,7 +650,7 @@ def collections(obs: DataFrame) -> DataFrame:
             F.max(F.when(topic == SYS_PREFIX + "version", F.col("payload_text"))).alias(
                 "broker_version"
             ),
-            F.array_sort(F.collect_list(refusal)).alias("_refusals"),
+            refusals.alias("_refusals"),
         )
     )
 
@@ -602,19 +658,12 @@ def collections(obs: DataFrame) -> DataFrame:
 def health(coll: DataFrame, near: float) -> DataFrame:
     """gateway_health: collections with utilisation and flags."""
     latest = F.max("collected_at").over(Window.partitionBy("gateway_id"))
-    refusals = F.map_from_entries(F.filter("_refusals", lambda r: r["count"].isNotNull()))
-    total = F.aggregate(
-        "_refusals", F.lit(0).cast("long"), lambda acc, r: acc + F.coalesce(r["count"], F.lit(0))
-    )
+    refusals = F.map_from_entries("_refusals")  # a cause once, its count not null: collections()
+    total = F.aggregate("_refusals", F.lit(0).cast("long"), lambda acc, r: acc + r["count"])
     retained_refused = F.aggregate(
         "_refusals",
         F.lit(0).cast("long"),
-        lambda acc, r: (
-            acc
-            + F.when(
-                r["cause"].isin(*RETAINED_REFUSALS), F.coalesce(r["count"], F.lit(0))
-            ).otherwise(0)
-        ),
+        lambda acc, r: acc + F.when(r["cause"].isin(*RETAINED_REFUSALS), r["count"]).otherwise(0),
     )
 
     def util(used: Column, limit: str) -> Column:
@@ -779,7 +828,9 @@ def fleet_state(
     """The latest segment of every (gateway, topic) (topic_history's is_latest rows)."""
     last = coll.groupBy("gateway_id").agg(F.max("collected_at").alias("gateway_last_collected"))
     as_of_lit = F.lit(as_of).cast("timestamp")
-    silent_before = F.lit(as_of - stale_after).cast("timestamp")
+    earliest = datetime.min.replace(tzinfo=as_of.tzinfo)  # pyspark's as_of is naive
+    since = as_of - stale_after if as_of - earliest > stale_after else earliest
+    silent_before = F.lit(since).cast("timestamp")
     reason = (
         F.when(F.col("ended_by") == "expired", F.lit("expired"))
         .when(F.col("valid_to").isNotNull(), F.lit("gone"))
@@ -851,8 +902,16 @@ def collect_status(log: DataFrame) -> DataFrame:
 
 
 # ------------------------------------------------------------------ advice
-def _round_up(value: float, step: int) -> int:
-    return int(math.ceil(max(value, 1.0) / step) * step)
+def _exact(value: float) -> Fraction:
+    """A float as the decimal it prints as (400.0, 1.1): the products of the
+    advice are then exact (400 x 1.1 = 440, not 440.00000000000006)."""
+    return Fraction(repr(float(value)))
+
+
+def _round_up(value: float | Fraction, step: int) -> int:
+    """value (at least 1) up to a multiple of step; a float is taken as the decimal it prints as."""
+    exact = value if isinstance(value, Fraction) else _exact(value)
+    return int(math.ceil(max(exact, Fraction(1)) / step) * step)
 
 
 def advice_stats(gh: DataFrame) -> list[dict[str, Any]]:
@@ -903,18 +962,19 @@ def _suggest(
     use_p99: bool = True,
 ) -> tuple[int, str]:
     """One suggested limit and why: the observation it comes from and any refusals."""
-    base = max(p99 * headroom, observed_max) if use_p99 else observed_max * headroom
+    scaled = _exact(p99 if use_p99 else observed_max) * _exact(headroom)
+    base = max(scaled, _exact(observed_max)) if use_p99 else scaled
     value = _round_up(base, step)
     if use_p99:
         why = (
-            f"p99 {p99:,.0f} x {headroom:g} = {p99 * headroom:,.0f}"
-            if p99 * headroom >= observed_max
+            f"p99 {p99:,.0f} x {headroom:g} = {float(scaled):,.0f}"
+            if scaled >= _exact(observed_max)
             else f"max {observed_max:,.0f} (above p99 {p99:,.0f} x {headroom:g})"
         )
     else:
-        why = f"largest {observed_max:,.0f} x {headroom:g} = {observed_max * headroom:,.0f}"
+        why = f"largest {observed_max:,.0f} x {headroom:g} = {float(scaled):,.0f}"
     if refused and current:
-        floor = _round_up(current * headroom, step)
+        floor = _round_up(current * _exact(headroom), step)
         if floor > value:
             value = floor
             why = (
@@ -941,13 +1001,16 @@ def advise(
     """Suggested limits per board and the profile patches (checked when the board is known).
 
     A board with fewer than min_gateways gateways or min_collections
-    collections gets no suggestion ("not enough data") and no patch.
+    collections gets no suggestion ("not enough data") and no patch; the
+    gateways without a board (a snapshot that names none) get no row.
     """
     from edgebroker_tools import profiles
 
     out: list[dict[str, Any]] = []
     patches: dict[str, dict[str, int]] = {}
     for s in stats:
+        if s["board"] is None:
+            continue  # gateways whose snapshots name no board: no limits to advise
         board = str(s["board"])
         cq = cast(list[float], s["count_q"] or [0.0, 0.0, 0.0])
         pq_ = cast(list[float], s["payload_q"] or [0.0, 0.0, 0.0])
@@ -1208,11 +1271,24 @@ def build(spark: SparkSession, opts: Options) -> Result:
     t0 = time.monotonic()
     fleet_spark.apply_required(spark)
     fs = Hfs(spark)
-    snapshots = fs.qualify(opts.snapshots)
-    out = fs.qualify(opts.out)
-    if not fs.is_dir(snapshots):
+    try:
+        snapshots = fs.qualify(opts.snapshots)
+        found = fs.is_dir(snapshots)
+    except Exception as exc:  # the JVM's (through Py4J): no FileSystem for its scheme, ...
+        raise BuildError(
+            f"--snapshots {opts.snapshots}: cannot be read: {fleet_spark._reason(exc)}"
+        ) from None
+    if not found:
         raise BuildError(f"no such snapshot directory: {opts.snapshots}")
-    fs.mkdirs(out)
+    try:
+        out = fs.qualify(opts.out)
+        if not fs.is_dir(out):
+            fs.mkdirs(out)  # a file there: Hadoop refuses (FileAlreadyExistsException)
+    except Exception as exc:  # the JVM's: a file there, no permission, ...
+        raise BuildError(
+            f"--out {opts.out}: cannot be used as the warehouse directory: "
+            f"{fleet_spark._reason(exc)}"
+        ) from None
     history_ = commits(fs, out)
     last = history_[-1] if history_ else None
     cleanup(fs, out, history_[-KEEP_COMMITS:])  # what a killed build left behind

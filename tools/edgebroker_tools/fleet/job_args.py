@@ -6,9 +6,10 @@ import argparse
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import cast
+from typing import Final, cast
 
 from edgebroker_tools.commands import CommandError
+from edgebroker_tools.fleet import hfs
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,19 @@ def _count(text: str) -> int:
     return value
 
 
+#: --stale-after's largest value: 100 years (a timedelta, and as_of minus it, must exist).
+MAX_STALE_HOURS: Final = 100 * 8760
+
+
 def _hours(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value}: expected hours > 0")
+    if not 0 < value <= MAX_STALE_HOURS:  # nan and inf too
+        raise argparse.ArgumentTypeError(
+            f"{value:g}: expected 0 < hours <= {MAX_STALE_HOURS} (100 years)"
+        )
     return value
 
 
@@ -138,11 +145,38 @@ def check_boards(boards: Path | None) -> Path | None:
     return boards
 
 
+def check_out(out: str) -> str:
+    """--out on the driver's disk (a plain path or file:// URI): a directory,
+    or one that can be made there (its nearest existing ancestor is a
+    directory); checked before Spark starts. Another scheme is checked by
+    the build (job.build: one line too)."""
+    if not hfs.is_local(out):
+        return out
+    path = Path(hfs.local_path(out)).absolute()
+    if path.is_dir():
+        return out
+    if path.exists():
+        raise OptionError(
+            f"--out {out}: exists and is not a directory "
+            "(expected the warehouse directory, created when missing)"
+        )
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OptionError(
+            f"--out {out}: cannot create the directory: {parent} is not a directory "
+            "(expected the warehouse directory, created when missing)"
+        )
+    return out
+
+
 def options_from(args: argparse.Namespace) -> Options:
-    """The build's options; OptionError for a --boards that is no directory."""
+    """The build's options; OptionError for a --boards that is no directory
+    or an --out that cannot be one."""
     return Options(
         snapshots=str(args.snapshots),
-        out=str(args.out),
+        out=check_out(str(args.out)),
         keep_damaged_stores=bool(args.keep_damaged_stores),
         near=float(args.near),
         headroom=float(args.headroom),

@@ -70,6 +70,8 @@ HEALTH_READ: Final = [
     "refusals_total", "retained_refusals", "near_limit", "low_heap",
 ]  # fmt: skip
 TREND_GATEWAYS: Final = 10
+#: How a gateway whose snapshots named no board is shown (it gets no limits advice).
+NO_BOARD: Final = "(unknown)"
 
 
 class ReportError(Exception):
@@ -83,7 +85,8 @@ class BoardUtil:
     near_limit: int
     low_heap: int
     refusing: int
-    quantiles: dict[str, tuple[float, float, float]]  # metric -> (p50, p90, max)
+    # metric -> (p50, p90, max); None when no gateway of the board sent it
+    quantiles: dict[str, tuple[float | None, float | None, float | None]]
     histograms: dict[str, list[int]]
 
 
@@ -161,10 +164,11 @@ def _count_true(values: list[Any]) -> int:
     return sum(1 for v in values if v)
 
 
-def _quantiles(values: pa.ChunkedArray[Any]) -> tuple[float, float, float]:
+def _quantiles(values: pa.ChunkedArray[Any]) -> tuple[float | None, float | None, float | None]:
+    """(p50, p90, max) of the values sent; (None, None, None) when none was: no data, not 0%."""
     valid = cast(list[float], pc.drop_null(values).to_pylist())
     if not valid:
-        return (0.0, 0.0, 0.0)
+        return (None, None, None)
     valid.sort()
 
     def q(p: float) -> float:  # linear interpolation, like numpy's default
@@ -245,13 +249,24 @@ def rank(latest: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _named_boards(table: pa.Table) -> pa.Table:
+    """A null board (a snapshot that named none) shown as NO_BOARD."""
+    i = table.schema.get_field_index("board")
+    if i < 0 or table.column(i).null_count == 0:
+        return table
+    named = cast(
+        "pa.ChunkedArray[Any]", pc.fill_null(table.column(i), pa.scalar(NO_BOARD, pa.string()))
+    )
+    return table.set_column(i, pa.field("board", pa.string()), named)
+
+
 def load(warehouse: str) -> Data:
     """Everything the report shows, aggregated with pyarrow."""
     wh = _Warehouse(str(warehouse))
     build = cast(dict[str, Any], wh.commit.get("build") or {})
-    health = wh.table("gateway_health", HEALTH_READ)
+    health = _named_boards(wh.table("gateway_health", HEALTH_READ))
     latest = health.filter(health.column("is_latest"))
-    state = wh.table("fleet_state", ["gateway_id", "board", "topic", "stale_reason"])
+    state = _named_boards(wh.table("fleet_state", ["gateway_id", "board", "topic", "stale_reason"]))
     history_rows = wh.table("topic_history", ["segment"]).num_rows
     data = Data(
         warehouse=str(warehouse),
@@ -406,7 +421,16 @@ def text_summary(data: Data, top: int = 10) -> str:
             lines.append(f"      {a[f'why_{key}']}")
         for err in a.get("check_errors") or []:
             lines.append(f"      {err}")
+    unnamed = _unnamed(data)
+    if unnamed:
+        lines.append(f"  {NO_BOARD:<16}{unnamed}")
     return "\n".join(lines)
+
+
+def _unnamed(data: Data) -> str:
+    """Why the gateways without a board have no advice ("" when there are none)."""
+    n = sum(u.gateways for u in data.boards if u.board == NO_BOARD)
+    return f"no advice: {n:,} gateway(s) whose snapshots name no board" if n else ""
 
 
 # ------------------------------------------------------------------- HTML
@@ -576,6 +600,9 @@ def _utilisation(data: Data) -> str:
         bars = []
         for u in data.boards:
             p50, p90, mx = u.quantiles[metric]
+            if p50 is None or p90 is None or mx is None:  # no gateway of the board sent it
+                bars.append(svg.Bar(u.board, [], note="no data"))
+                continue
             bars.append(
                 svg.Bar(
                     u.board,
@@ -704,6 +731,8 @@ def _advice(data: Data) -> str:
                 "collections",
             }
         )
+    if _unnamed(data):
+        rows.append({"board": NO_BOARD, "status": "-", "why": escape(_unnamed(data))})
     parts.append(
         _html_table(
             rows,

@@ -20,6 +20,16 @@ header row with a null topic: the build reads a collection's facts from it
 so what went missing from it). A snapshot written without header rows gets
 them when it is read (decode.with_headers).
 
+A collection in several files. The build takes the files together
+(job.dedupe()): a file changed or touched and ingested again replaces its
+earlier copy (of each file path, the latest build's rows); files of one
+collection that share a topic are copies or versions of each other (a file
+under a second name, an older version), and only the one of the latest
+build, then the largest file name, counts, whole; files that share no topic
+are parts of the collection and their rows are merged (its retained rows in
+one, its $SYS rows in another, say). So the parts of a split collection
+must not repeat a topic, and a part ingested again must keep its name.
+
 Warehouse (`fleet build` writes it, `fleet report` reads it). Its location
 is a URI (file://, hdfs://, s3a://, viewfs://; a plain path is file://);
 the build reaches it only through Spark and the Hadoop FileSystem API:

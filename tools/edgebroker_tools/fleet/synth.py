@@ -19,6 +19,7 @@ SNAPSHOTS/retained/date=<day>/synth-<k>-<chunk>.parquet. Same seed, same rows.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,28 @@ BOARDS: Final = (
     ("rp2350_pico2w", 0.10),
 )
 DEFAULT_START: Final = datetime(2025, 6, 1, tzinfo=UTC)
+#: Each gateway's collection is up to this much after the round's time.
+JITTER_US: Final = 300_000_000
+LAST_TIME: Final = datetime.max.replace(tzinfo=UTC)
+
+
+def check_times(start: datetime, interval: timedelta, snapshots: int) -> None:
+    """ValueError unless every collection (start + k x interval, plus the jitter)
+    is a time Python and Parquet can hold (up to 9999-12-31T23:59:59Z)."""
+    span = (snapshots - 1) * interval.total_seconds() + JITTER_US / 1e6
+    if span <= (LAST_TIME - start).total_seconds():
+        return
+    whole = math.ceil(span)
+    room = (LAST_TIME - datetime.min.replace(tzinfo=UTC)).total_seconds()
+    latest = (
+        f"expected --start <= {LAST_TIME - timedelta(seconds=whole):%Y-%m-%dT%H:%M:%SZ}"
+        if whole < room
+        else "expected fewer --snapshots or a shorter --interval"
+    )
+    raise ValueError(
+        f"with --snapshots {snapshots} and --interval {interval.total_seconds():g} s the "
+        f"last collection would be after {LAST_TIME:%Y-%m-%dT%H:%M:%SZ}; {latest}"
+    )
 
 
 def _join(left: pa.Array[Any], right: pa.Array[Any], sep: str) -> pa.Array[Any]:
@@ -268,7 +291,7 @@ class Fleet:
         expiry = pa.array(
             np.maximum(self.expiry, 1), pa.int64(), mask=pa.array(kind != 7).to_numpy(False)
         )
-        jitter = rng.integers(0, 300_000_000, n)  # microseconds, per gateway
+        jitter = rng.integers(0, JITTER_US, n)  # microseconds, per gateway
         at_us = int(when.timestamp() * 1_000_000) + jitter
         run_id = f"synth-{when:%Y%m%dT%H%M%SZ}"
         cols: dict[str, pa.Array[Any]] = {
@@ -395,8 +418,10 @@ def generate(
     """Write the synthetic snapshots under out/retained/; see the module docstring.
 
     An `out` that cannot be created or written is an OutputError (one line,
-    naming --out), checked before any data is made."""
+    naming --out), and collections past the last representable time a
+    ValueError (check_times), both checked before any data is made."""
     t0 = time.monotonic()
+    check_times(start, interval, snapshots)
     outputs.make_dir(out, "--out")
     fleet = Fleet(gateways, topics, seed, missing)
     files = rows = sys_rows = 0
