@@ -1715,7 +1715,8 @@ class Engine:
         arrives: never copied again per read, so a large packet costs linear
         time however it is split."""
         if conn.held is not None:
-            conn.held += data[:n]  # behind what waits (a server keeps reading a held one)
+            conn.held += data[:n]  # behind what waits (held_room: read while it has room)
+            self.held_acks(conn)
             return
         pend = conn.pend
         if pend is not None:
@@ -1789,13 +1790,12 @@ class Engine:
             i = j + rl
 
     def holds(self, conn, b, i, end):
-        # A PUBLISH waits (and what its connection sent after it) when its
-        # topic reaches a connected subscriber at high water, unless it
-        # comes from one of those subscribers (its PUBACKs may follow in the
-        # same bytes) or before CONNECT. Only while some queue is at high
-        # water; a topic given by an alias alone waits whatever it is.
-        sess = conn.sess
-        if sess is None or sess.hw:
+        # A PUBLISH waits (and what its connection sent after it but its
+        # acknowledgements: held_acks) when its topic reaches a connected
+        # subscriber at high water, one of those subscribers' own too; not
+        # before CONNECT. Only while some queue is at high water; a topic
+        # given by an alias alone waits whatever it is.
+        if conn.sess is None:
             return False
         if end - i < 2:
             return False  # malformed: handle() says so
@@ -1821,6 +1821,60 @@ class Engine:
     def hold(self, conn, rest):
         conn.held = rest
         self.held.append(conn)
+        self.held_acks(conn)
+
+    def held_acks(self, conn):
+        # A held connection's acknowledgements of what it was sent (PUBACK,
+        # PUBREC, PUBCOMP) and its PINGREQs are taken at once: they drain
+        # its own queue. Held with its PUBLISH, a subscriber that publishes
+        # to a topic it reads would wait for itself and the others for it
+        # until slow_consumer_timeout ended them (acknowledged messages
+        # lost). What else it sent stays in order behind that PUBLISH.
+        h = conn.held
+        i = 0
+        while True:
+            n = len(h)
+            j = i + 1
+            rl = 0
+            sh = 0
+            while True:
+                if j >= n:
+                    return
+                d = h[j]
+                j += 1
+                rl |= (d & 0x7F) << sh
+                if not d & 0x80:
+                    break
+                sh += 7
+                if sh > 21:
+                    return  # malformed: said when the input is resumed
+            end = j + rl
+            if end > n:
+                return
+            if h[i] >> 4 in (_PUBACK, _PUBREC, _PUBCOMP, _PINGREQ):
+                self.handle(conn, h[i], h, j, end)
+                if conn.closed or conn.held is not h:
+                    return
+                h[i:end] = b""  # (MicroPython's bytearray has no del of a slice)
+            else:
+                i = end
+
+    def held_room(self, conn):
+        # a held connection is read on while its input holds less than the
+        # held PUBLISH and io_chunk more (so its acknowledgements come in);
+        # then its reading pauses until the flow resumes
+        h = conn.held
+        j = 1
+        rl = 0
+        sh = 0
+        while j < len(h) and sh < 28:
+            d = h[j]
+            j += 1
+            rl |= (d & 0x7F) << sh
+            if not d & 0x80:
+                break
+            sh += 7
+        return len(h) < j + rl + self.cfg["io_chunk"]
 
     def mark(self, sess):
         if not sess.hw:
@@ -2026,8 +2080,9 @@ class Engine:
             )
         takeover = old is not None and old.conn is not None
         mk = cfg["max_keepalive"]
-        if mk and not v5 and (ka == 0 or ka > mk) and not cfg["server_keep_alive"]:
-            # 3.1.1 cannot be told another keep alive: refused (as mosquitto)
+        if mk and not v5 and (ka == 0 or ka > mk):
+            # 3.1.1 cannot be told another keep alive (nor server_keep_alive,
+            # 3.2.2.3.14 is 5.0's): refused (as mosquitto)
             return self.connack_refuse(
                 conn, _RC_QUOTA, _RC3_BAD_ID, "max_keepalive", "keep alive over max_keepalive"
             )
@@ -3826,7 +3881,12 @@ class Broker:
             self.engine.lost(conn, self.clock())
         else:
             self.engine.receive(conn, self.rmv, n, self.clock())
-            if conn.tls and not conn.closed and conn.held is None and _pending(conn.io):
+            if (
+                conn.tls
+                and not conn.closed
+                and (conn.held is None or self.engine.held_room(conn))
+                and _pending(conn.io)
+            ):
                 self._read(conn)  # TLS: bytes already decrypted, which poll cannot see
 
     def _flush(self, conn):
@@ -4190,7 +4250,12 @@ class Broker:
                             self._reflush(conn)
                     if e & (select.POLLIN | select.POLLHUP | select.POLLERR) and not conn.closed:
                         self._read(conn)
-                        if conn.held is not None and not conn.paused and not conn.closed:
+                        if (
+                            conn.held is not None
+                            and not conn.paused
+                            and not conn.closed
+                            and not eng.held_room(conn)
+                        ):
                             conn.paused = True  # flow control: no POLLIN until resumed
                             self.poller.modify(conn.io, self._mask(conn))
                 short = self._turn()
@@ -4314,7 +4379,7 @@ class Broker:
         s = conn.io
         try:
             while not conn.closed:
-                if conn.held is not None:
+                if conn.held is not None and not self.engine.held_room(conn):
                     # flow control: this connection's input waits unread
                     conn.paused = True
                     await self._flow.wait()

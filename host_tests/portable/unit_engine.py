@@ -1339,8 +1339,8 @@ def test_max_queued_total_takes_from_an_offline_queue_before_a_longer_connected_
     offline_sub(eng, "o", "y")
     c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
     c.sub("x", 1)
-    for k in range(5):                                 # its own PUBLISHes are never held
-        c.send(publish("x", b"x%d" % k, 1, k + 1))
+    for k in range(5):                                 # routed, not read: never held
+        eng.publish(eng.make_msg("x", b"x%d" % k, 1, b"", 0), False, None, "x")
     sc = eng.sessions["c"]
     assert len(sc.queue) == 4 and sc.hw
     p = Peer(eng, "p")
@@ -1349,6 +1349,32 @@ def test_max_queued_total_takes_from_an_offline_queue_before_a_longer_connected_
     assert [pk_[0] >> 4 for pk_ in p.packets()] == [4, 4]
     assert [eb.q_msg(e)[1] for e in eng.sessions["o"].queue] == [b"y1"]
     assert len(sc.queue) == 4 and eng.qtotal == 5 and eng.refusals["queue_full"] == 1
+
+
+def test_a_held_connection_s_acknowledgements_are_taken_at_once():
+    # Flow control holds a PUBLISH to a subscriber at high water and what
+    # its connection sent after it, but not its acknowledgements of what it
+    # was sent: those drain its own queue. A subscriber that publishes to a
+    # topic it reads would otherwise wait for itself (and the others for
+    # it) until slow_consumer_timeout ended them.
+    eng = mk(max_queued=2)                             # high water 1
+    c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
+    c.sub("x", 1)
+    p = Peer(eng, "p")
+    p.send(publish("x", b"x0", 1, 1))                  # in flight to c
+    p.send(publish("x", b"x1", 1, 2))                  # queued: c at high water
+    assert eng.sessions["c"].hw and [pk_[0] >> 4 for pk_ in p.packets()] == [4, 4]
+    got = c.msgs()
+    assert [m.payload for m in got] == [b"x0"]
+    # c's own PUBLISH to x waits; its PUBACK behind it (and a PINGREQ) do not
+    c.send(publish("x", b"c0", 1, 7) + ack(4, got[0].pid) + bytes((0xC0, 0)))
+    assert c.c.held is not None and len(c.c.held) == len(publish("x", b"c0", 1, 7))
+    got = c.packets()
+    assert [pk_[0] >> 4 for pk_ in got] == [3, 13]     # x1 sent, PINGRESP
+    assert not eng.sessions["c"].hw and eng.congested == 0
+    eng.turn(T0 + 1)                                   # the held PUBLISH is read now
+    assert c.c.held is None
+    assert [pk_[0] >> 4 for pk_ in c.packets()] == [4]  # its PUBACK
 
 
 def test_max_queued_total_at_half_holds_the_publishers_of_a_reading_subscriber():

@@ -25,9 +25,9 @@ PUBLISHERS = 4
 PER_PUBLISHER = 250
 
 
-def _client(port, cid, receive_maximum=None, on_message=None):
+def _client(port, cid, receive_maximum=None, on_message=None, inflight=20):
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv5)
-    c.max_inflight_messages_set(20)
+    c.max_inflight_messages_set(inflight)
     c.max_queued_messages_set(0)
     props = None
     if receive_maximum is not None:
@@ -194,3 +194,59 @@ def test_max_queued_total_drops_for_an_offline_session_never_for_readers(broker_
         c.disconnect()
         c.loop_stop()
     assert "refused (queue_full) session flow-off" in b.log_text()
+
+
+def test_subscribers_that_publish_to_what_they_read_are_not_held_up_by_each_other(broker_factory):
+    """4 clients each subscribed to chat/# and publishing 50 QoS 1 messages
+    to chat/x, every one reading all along, with the esp32 profile's queue
+    limits (max_queued 8, max_queued_total 8, max_inflight 2): every
+    acknowledged message reaches every client and nobody is disconnected.
+    Before: a held client's own PUBACKs waited behind its held PUBLISH, its
+    queue reached high water too, and the flow never resumed: after
+    slow_consumer_timeout reading clients were disconnected (0x97) and
+    acknowledged messages never arrived."""
+    b = broker_factory(max_queued=8, max_queued_total=8, max_inflight=2,
+                       slow_consumer_timeout=5)
+    requires_edgebroker(b)
+    got = [set() for _ in range(4)]
+    kicked = []
+    clients = []
+    for k in range(4):
+        c = _client(b.port, "chat%d" % k, inflight=2,
+                    on_message=(lambda k: lambda cl, ud, m: got[k].add(m.payload))(k))
+        c.on_disconnect = lambda *a: kicked.append(a)
+        subscribed = threading.Event()
+        c.on_subscribe = lambda *a, ev=subscribed: ev.set()
+        c.subscribe("chat/#", 1)
+        assert subscribed.wait(10)
+        clients.append(c)
+    infos = []
+    lock = threading.Lock()
+
+    def publish(k):
+        for i in range(50):
+            info = clients[k].publish("chat/x", b"c%d-%d" % (k, i), qos=1)
+            with lock:
+                infos.append((b"c%d-%d" % (k, i), info))
+
+    threads = [threading.Thread(target=publish, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        for _payload, info in infos:
+            info.wait_for_publish(30)
+        acked = {p for p, info in infos if info.is_published()}
+        assert len(acked) == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(acked <= g for g in got):
+            time.sleep(0.1)
+        assert [len(acked - g) for g in got] == [0, 0, 0, 0]
+        assert not kicked, kicked
+        assert "slow consumer" not in b.log_text()
+    finally:
+        for c in clients:
+            c.disconnect()
+            c.loop_stop()
+

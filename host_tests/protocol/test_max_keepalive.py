@@ -56,3 +56,17 @@ def test_311_client_over_max_keepalive_refused_rc_2(broker_factory):
         assert r.connect("mk-311", keepalive=60).reason == 2
     with RawClient(b.port, version=4) as r:
         assert r.connect("mk-311-ok", keepalive=20).reason == 0
+
+
+def test_311_client_over_max_keepalive_refused_rc_2_with_server_keep_alive_set(broker_factory):
+    """server_keep_alive wins for 5.0 clients, which it can be told to; a
+    3.1.1 client cannot be told it, so max_keepalive still refuses one asking
+    for more or for none (before: accepted with its own keep alive 0 and
+    never disconnected while silent)."""
+    b = broker_factory(max_keepalive=10, server_keep_alive=3)
+    requires_edgebroker(b)
+    for ka in (0, 11):
+        with RawClient(b.port, version=4) as r:
+            assert r.connect("mk-ska-%d" % ka, keepalive=ka).reason == 2
+    with RawClient(b.port, version=4) as r:
+        assert r.connect("mk-ska-ok", keepalive=10).reason == 0
