@@ -89,6 +89,7 @@ SECRETS_PATH = "/secrets.json"
 CRASHES_PATH = "/crashes"  # boots in a row that did not serve CLEAR_AFTER_S
 SAFE_FLAG_PATH = "/safe_mode"  # present: safe mode (its text says why)
 LAST_CRASH_PATH = "/last_crash.txt"
+OLD_CRASH_PATH = "/last_crash.old.txt"  # recorded before the last boot that served
 DATA_DIR = "/data"  # the retained store's directory
 APP_PATH = "/app.py"  # the user's code (userapp.py): `edgebroker flash --app FILE` puts it here
 
@@ -124,10 +125,17 @@ def read_int(path: str) -> int:
         return 0
 
 
-def write_text(path: str, text: str) -> None:
-    """Write a small file whole (littlefs commits it at close)."""
-    with open(path, "w") as f:
-        f.write(text)
+def write_text(path: str, text: str) -> bool:
+    """Write a small file whole (littlefs commits it at close). False, and
+    said, when the filesystem refuses it (full, read-only): a counter or a
+    crash record is not worth the boot."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return True
+    except OSError as e:
+        say("cannot write %s (%r): is the filesystem full?" % (path, e))
+        return False
 
 
 def exists(path: str) -> bool:
@@ -327,10 +335,7 @@ def clear() -> None:
 def record_crash(e: BaseException) -> None:
     text = format_exc(e)
     print(text, end="")
-    try:
-        write_text(LAST_CRASH_PATH, text[-2048:])
-    except OSError:
-        pass
+    write_text(LAST_CRASH_PATH, text[-2048:])
 
 
 # ---------------------------------------------------------------- 6. the gateway
@@ -434,15 +439,18 @@ class Gateway:
             say("app.py is not restarted until the next reset")
             return
         self.app_crashed = True
-        try:
-            write_text(LAST_CRASH_PATH, format_exc(e)[-2048:])
-        except OSError:
-            pass
-        say(
-            "app.py crashed at boot: this boot counts toward safe mode (crash counter %d, "
-            "safe mode at %d); app.py is not restarted until the next reset"
-            % (read_int(CRASHES_PATH), self.safe_limit)
-        )
+        write_text(LAST_CRASH_PATH, format_exc(e)[-2048:])
+        if self.safe_limit > 0:
+            say(
+                "app.py crashed at boot: this boot counts toward safe mode (crash counter "
+                "%d, safe mode at %d); app.py is not restarted until the next reset"
+                % (read_int(CRASHES_PATH), self.safe_limit)
+            )
+        else:
+            say(
+                "app.py crashed at boot (safe mode off: safe_mode_crashes 0); "
+                "app.py is not restarted until the next reset"
+            )
 
     def tick(self) -> None:
         """From the housekeeping task: watchdog, crash counter, Wi-Fi, NTP.
@@ -459,6 +467,17 @@ class Gateway:
             else:
                 self.cleared = True
                 write_text(CRASHES_PATH, "0")
+                if exists(LAST_CRASH_PATH):
+                    # older than this boot that served: kept apart, so that
+                    # safe mode never gives it as the reason for later boots
+                    # (copied, at most 2 KB: rename differs between VFSes)
+                    try:
+                        with open(LAST_CRASH_PATH) as f:
+                            text = f.read()
+                    except OSError:
+                        text = None
+                    if text is not None and write_text(OLD_CRASH_PATH, text):
+                        remove(LAST_CRASH_PATH)
                 say("up %d s: crash counter cleared" % (self.clear_after_ms // 1000))
         wifi = self.wifi
         if wifi is not None:
@@ -486,7 +505,11 @@ def main(
     """Boot the gateway (main.py). Returns to the REPL in safe mode, without
     a profile or credentials, or after Ctrl-C; resets the board on a crash.
     The boot steps are firmware/gwboot.py's, dropped before serving."""
-    import gwboot
+    try:
+        import gwboot
+    except ImportError as e:  # a missing or damaged /lib/gwboot.mpy
+        say("cannot import gwboot (%r): run `edgebroker flash` again; at the REPL" % (e,))
+        return
 
     gw = gwboot.prepare(profile_path, secrets_path, clear_after_s)
     if gw is None:

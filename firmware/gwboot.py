@@ -51,14 +51,17 @@ def read_json(path: str) -> "Any":
 
 
 def load_secrets(path: str) -> "dict[str, Any] | None":
+    """The secrets; None when the file is missing, {} (said) when it is
+    there but no JSON object: its lines then name what it lacks, not a
+    missing file."""
     try:
         s = read_json(path)
     except ValueError as e:
         g.say("%s is not valid JSON (%r): ignored" % (path, e))
-        return None
+        return {}
     if s is not None and not isinstance(s, dict):
         g.say("%s must hold a JSON object: ignored" % path)
-        return None
+        return {}
     return s
 
 
@@ -115,11 +118,32 @@ def prepare(profile_path: str, secrets_path: str, clear_after_s: int) -> "g.Gate
         )
         return None
     limit = profile.get("safe_mode_crashes")
-    limit = g.SAFE_MODE_CRASHES if limit is None else int(limit)
+    if limit is None:
+        limit = g.SAFE_MODE_CRASHES
+    elif type(limit) is not int:
+        # a hand-edited file (`edgebroker flash` refuses this): said, and
+        # the default keeps boot loops broken
+        g.say(
+            "%s: safe_mode_crashes %r is not an integer (0..100): using %d"
+            % (profile_path, limit, g.SAFE_MODE_CRASHES)
+        )
+        limit = g.SAFE_MODE_CRASHES
     why = safe_mode_reason(limit, clear_after_s)
     if why is not None:
         g.say("SAFE MODE: broker not started: " + why)
-        if g.exists(g.LAST_CRASH_PATH):
+        if not g.exists(g.LAST_CRASH_PATH):
+            # a crash from before the last boot that served is kept apart
+            g.say(
+                "no crash recorded since the last boot that served %d s (a watchdog "
+                "reset or a power cut records none)%s"
+                % (
+                    clear_after_s,
+                    "; an older one is in " + g.OLD_CRASH_PATH
+                    if g.exists(g.OLD_CRASH_PATH)
+                    else "",
+                )
+            )
+        else:
             g.say("last crash (%s):" % g.LAST_CRASH_PATH)
             try:
                 with open(g.LAST_CRASH_PATH) as f:

@@ -182,6 +182,109 @@ def test_wallclock_epochs_and_unset_clock():
 
 
 # ---------------------------------------------------------------- boots on the stand-in board
+def _paths(tmp_path):
+    # the firmware's files moved into tmp_path (never the host's /crashes)
+    return (
+        "gateway.CRASHES_PATH = %r\n"
+        "gateway.LAST_CRASH_PATH = %r\n"
+        "gateway.OLD_CRASH_PATH = %r\n"
+        "gateway.SAFE_FLAG_PATH = %r\n"
+        % tuple(str(tmp_path / n) for n in ("crashes", "last_crash.txt", "last_crash.old.txt",
+                                             "safe_mode"))
+    )
+
+
+def _board_json(tmp_path, **over):
+    prof = json.loads((REPO / "boards" / "host.json").read_text())
+    prof.update(over)
+    path = tmp_path / "board.json"
+    path.write_text(json.dumps(prof))
+    return path
+
+
+def test_a_counter_that_cannot_be_written_does_not_stop_the_boot(tmp_path):
+    """A full (here: missing) filesystem place for /crashes: prepare() says
+    so and the boot goes on (it stopped with OSError 28 before the broker
+    started on a full littlefs without /crashes)."""
+    board = _board_json(tmp_path)
+    out = mpy_run(
+        _paths(tmp_path / "no-such-dir")
+        + "gw = gwboot.prepare(%r, %r, 30)\n" % (str(board), str(tmp_path / "secrets.json"))
+        + "print('GATEWAY', gw is not None)\n"
+    )
+    assert "GATEWAY True" in out, out
+    assert "cannot write %s" % (tmp_path / "no-such-dir" / "crashes") in out, out
+
+
+def test_a_bad_safe_mode_crashes_value_is_named_and_the_default_used(tmp_path):
+    board = _board_json(tmp_path, safe_mode_crashes="three")
+    out = mpy_run(
+        _paths(tmp_path)
+        + "gw = gwboot.prepare(%r, %r, 30)\n" % (str(board), str(tmp_path / "secrets.json"))
+        + "print('LIMIT', gw.safe_limit)\n"
+    )
+    assert "safe_mode_crashes 'three' is not an integer (0..100): using 3" in out, out
+    assert "LIMIT 3" in out, out
+
+
+def test_a_secrets_file_that_is_no_json_object_is_not_called_missing(tmp_path):
+    bad = tmp_path / "secrets.json"
+    bad.write_text('{"wifi_ssid": "lab", ')
+    out = mpy_run(
+        _paths(tmp_path)
+        + "s = gwboot.load_secrets(%r)\n" % str(bad)
+        + "gw = gateway.Gateway({'wifi_mode': 'sta'}, s)\n"
+        + "print('UP', gwboot.network_up(gw), s)\n"
+    )
+    assert "is not valid JSON" in out and "UP False {}" in out, out
+    assert "no /secrets.json" not in out, out
+    assert 'needs "wifi_ssid"' in out, out
+
+
+def test_an_app_crash_with_safe_mode_off_announces_no_safe_mode(tmp_path):
+    out = mpy_run(
+        _paths(tmp_path)
+        + "import asyncio\n"
+        + "class _App:\n"
+        + "    @staticmethod\n"
+        + "    async def run(broker, say):\n"
+        + "        return ValueError('boom')\n"
+        + "sys.modules['userapp'] = _App\n"
+        + "gw = gateway.Gateway({}, {}, 30, 0)\n"
+        + "asyncio.run(gw.app(None))\n"
+    )
+    assert "safe mode off: safe_mode_crashes 0" in out, out
+    assert "counts toward safe mode" not in out, out
+
+
+def test_safe_mode_shows_only_a_crash_since_the_last_boot_that_served(tmp_path):
+    """A boot that serves clear_after_s moves the last crash aside: safe mode
+    reached later by watchdog resets (which record nothing) says so instead
+    of giving that older crash as the reason."""
+    (tmp_path / "last_crash.txt").write_text("OldBugError: fixed last month\n")
+    board = _board_json(tmp_path, safe_mode_crashes=3)
+    out = mpy_run(
+        _paths(tmp_path)
+        + "gw = gateway.Gateway({}, {}, 0)\n"
+        + "gw.tick()\n"  # served clear_after_s (0 here): the counter is cleared
+        + "for _ in range(3):\n"
+        + "    gwboot.prepare(%r, %r, 30)\n" % (str(board), str(tmp_path / "secrets.json"))
+        + "print('SAFE', gwboot.prepare(%r, %r, 30))\n" % (str(board), str(tmp_path / "x"))
+    )
+    assert "crash counter cleared" in out and "SAFE None" in out, out
+    assert "SAFE MODE" in out and "OldBugError" not in out, out
+    assert "no crash recorded since the last boot that served 30 s" in out, out
+    assert "an older one is in %s" % (tmp_path / "last_crash.old.txt") in out, out
+    assert (tmp_path / "last_crash.old.txt").read_text() == "OldBugError: fixed last month\n"
+
+
+def test_a_missing_gwboot_is_named_at_the_repl(tmp_path):
+    out = mpy_run(_paths(tmp_path) + "del sys.modules['gwboot']\nsys.path.remove(%r)\n"
+                  "gateway.main()\nprint('AT THE REPL')\n" % str(REPO / "firmware"))
+    assert "cannot import gwboot" in out and "run `edgebroker flash` again" in out, out
+    assert "AT THE REPL" in out
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
     """One `edgebroker build host` for the module (placed on each board)."""
