@@ -387,7 +387,7 @@ class Queue:
         self.f = f
         # a file that never got past its header was made by a run that
         # stopped before its first commit: the retained sync it was made
-        # for (Bridge._sync) is done again
+        # for (Bridge._retained_sync) is done again
         self.created = size == _HDR
         pos = _HDR
         cur = _HDR
@@ -427,8 +427,11 @@ class Queue:
                 break
             if rt == T_MSG:
                 n += 1
-            elif rt == T_REL and len(body) == 4:
-                self.rel[unpack_from(">I", body, 0)[0]] = 1
+            elif rt == T_REL:
+                if len(body) == 4:
+                    self.rel[unpack_from(">I", body, 0)[0]] = 1
+                elif not body:
+                    self.rel = {}  # a new upstream session (new_session)
             pos = nxt
         self.count = n
 
@@ -617,6 +620,13 @@ class Queue:
             self.moved(delta)
         return delta
 
+    def new_session(self):
+        # an empty "R" record: the upstream session the earlier "R"s were
+        # part of is gone (read by _count, and by store inspect)
+        self.wb.extend(record(T_REL, b""))
+        self.rel = {}
+        self.commit(True)
+
     def released(self, seq):
         # PUBREC came for QoS 2 message seq: recorded before PUBREL goes
         self.wb.extend(record(T_REL, pack(">I", seq)))
@@ -783,9 +793,10 @@ class Bridge:
         self.wall = 0
         self.rbuf = bytearray()
         self.connack = None
-        self.synced = 0  # queue offset after the last retained sync's records
+        self.sfrom = -1  # queue offset where the last retained sync began (-1: none)
+        self.syncing = False  # put() called by _retained_sync
         if self.q.created:
-            self._sync()  # last: put() reads the state above
+            self._retained_sync()  # last: put() reads the state above
 
     def log(self, level, fmt, *args):
         self.eng.log(level, "bridge %s: " % self.name + fmt, *args)
@@ -836,6 +847,8 @@ class Bridge:
         q = self.q
         if self.pace and not self.split:
             self._mark(tb)
+        if self.syncing:
+            latest = False  # a sync's copy (_retained_sync)
         if latest:
             flags |= F_LATEST
             pos = q.end  # where its record goes
@@ -883,7 +896,8 @@ class Bridge:
         self.hiwater = max(0, self.hiwater - delta)
         self.sfront = max(_HDR, self.sfront - delta)
         self.lstart = max(0, self.lstart - delta)
-        self.synced = max(0, self.synced - delta)
+        if self.sfrom > 0:
+            self.sfrom = max(0, self.sfrom - delta)
         self.sstart = max(0, self.sstart - delta)
         self.lpos = max(_HDR, self.lpos - delta)
         self.lfront = max(_HDR, self.lfront - delta)
@@ -942,11 +956,15 @@ class Bridge:
                         self._latest_at(m[4], pos)
             pos = nxt
 
-    def _sync(self):
+    def _retained_sync(self):
         # the upstream gets the retained state of the outbound topics: for
         # a new queue file, and when the upstream has no session of ours
         # (it lost its state, e.g. restarted without persistence); later
-        # changes, deletes included, follow through the queue
+        # changes, deletes included, follow through the queue. Its copies
+        # are sent like `queue` mode: in latest mode an older retained copy
+        # placed after a newer plain message must not supersede it
+        self.sfrom = self.q.end
+        self.syncing = True
         store = self.eng.store
         for o in self.outr:
             r = o[1]
@@ -957,7 +975,7 @@ class Bridge:
                         break
                 if o2[1] is r:
                     self.put(m, 1, None, topic)
-        self.synced = self.q.end
+        self.syncing = False
         self.eng.sdirty = True  # committed at the first turn
 
     # ------------------------------------------------------------ writing
@@ -1521,13 +1539,22 @@ class Bridge:
             # a reconnect that resumes it, so a resent PUBLISH (DUP) is not
             # published twice (4.3.3), cleared with it
             self.in2 = {}
+            if self.q.rel:
+                # QoS 2 messages past PUBREC: the exchange died with the
+                # session, so they go again as PUBLISH (at least once: the
+                # upstream may have delivered them), recorded first
+                self.q.new_session()
             self._restart()
-            if self.q.cursor >= self.synced:
+            if self.q.cursor > self.sfrom:
                 # no session of ours upstream: it may have lost its retained
-                # messages too (restarted without persistence). One sync at
-                # a time: none while the last one is still queued (a new
-                # queue's first connect, a link that keeps coming back new)
-                self._sync()
+                # messages too (restarted without persistence). Again once
+                # part of the last sync was acknowledged (by an upstream
+                # that then lost it); not while all of it still waits (a new
+                # queue's first connect, a link that keeps coming back new
+                # without taking anything); on flash now, before the session
+                # this connect made can answer present to the next one
+                self._retained_sync()
+                self.q.commit(self.durable)
         if self.c["status"]:
             self.spid = -1
             self._status()
@@ -1623,9 +1650,24 @@ class Bridge:
             e[_I_ACK] = 1
             return
         qos, flags, exp, w, tb, props, payload, seq = m
+        qos = e[_I_QOS]
+        if qos > self.maxqos or len(tb) + len(props) + len(payload) + 16 > self.upmax:
+            # the resumed session's upstream now grants less (its CONNACK:
+            # Maximum QoS, Maximum Packet Size; MQTT-3.2.2-11, 3.1.2-24)
+            if len(tb) + len(props) + len(payload) + 16 > self.upmax:
+                self.toolarge += 1
+                qos = e[_I_QOS] = 0
+            else:
+                qos = e[_I_QOS] = self.maxqos
+                if qos:
+                    self._publish(tb, qos, flags & F_RETAIN, e[_I_PID], props, -1, payload, True)
+                    return
+                self._publish(tb, 0, flags & F_RETAIN, 0, props, -1, payload, False)
+            self._acked(e[_I_PID], True)  # done: sent at QoS 0, or never
+            return
         self._publish(
             tb,
-            e[_I_QOS],
+            qos,
             flags & F_RETAIN,
             e[_I_PID],
             props,

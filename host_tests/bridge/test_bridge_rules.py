@@ -301,8 +301,10 @@ class ScriptedUpstream:
         self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
 
-    def _packets(self, s, buf, want, timeout=10.0):
-        # reads until a packet of type `want` came; answers the rest
+    def _packets(self, s, buf, want, timeout=10.0, whole=False):
+        # reads until a packet of type `want` (or one of them) came; answers
+        # the rest; its body (whole: its first byte and body)
+        wanted = want if isinstance(want, tuple) else (want,)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             raw = bytes(buf)
@@ -311,8 +313,8 @@ class ScriptedUpstream:
             for first, a, b in pkts:
                 body = raw[a:b]
                 t = first >> 4
-                if t == want:
-                    return body
+                if t in wanted:
+                    return (first, body) if whole else body
                 if t == 3 and first & 6:  # the status PUBLISH: PUBACK it
                     tl = body[0] << 8 | body[1]
                     s.sendall(b"\x40\x02" + body[2 + tl:4 + tl])
@@ -373,3 +375,143 @@ def test_an_inbound_qos2_publish_resent_after_a_reconnect_is_published_once(brok
         local.close()
     finally:
         up.close()
+
+
+class Qos2Upstream(ScriptedUpstream):
+    """Connection 1 takes a QoS 2 PUBLISH, sends PUBREC and goes away as
+    the PUBREL comes (no PUBCOMP: an upstream restarted without
+    persistence); connection 2 answers session present 0. What the bridge
+    sends first for that message on connection 2 is recorded."""
+
+    def _run(self):
+        self.first = None
+        try:
+            for n in range(2):
+                s, _ = self.srv.accept()
+                buf = bytearray()
+                self._packets(s, buf, 1)  # CONNECT
+                s.sendall(b"\x20\x03\x00\x00\x00")  # session present 0, both times
+                if not n:
+                    body = self._packets(s, buf, 3)
+                    s.sendall(b"\x50\x02" + body[2 + (body[0] << 8 | body[1]):][:2])
+                    self._packets(s, buf, 6)  # PUBREL: then gone
+                    s.close()
+                    continue
+                first, body = self._packets(s, buf, (3, 6), whole=True)
+                self.first = first >> 4
+                if self.first == 3:
+                    pid = body[2 + (body[0] << 8 | body[1]):][:2]
+                    s.sendall(b"\x50\x02" + pid)
+                    self._packets(s, buf, 6)
+                    s.sendall(b"\x70\x02" + pid)
+                self.done.set()
+                time.sleep(5)
+                s.close()
+        except Exception as e:  # reported by the test
+            self.errors.append(repr(e))
+
+
+@ASYNC
+def test_a_qos2_message_past_pubrec_is_published_again_to_a_new_upstream_session(
+    broker_factory
+):
+    """Its PUBREC came, its PUBREL was lost with an upstream that then came
+    back without our session: the exchange is gone, so the PUBLISH goes
+    again (before: only a PUBREL, which the new session ignores, and the
+    message was lost: mosquitto delivers a QoS 2 message at PUBREL)."""
+    up = Qos2Upstream()
+    try:
+        rules = [{"pattern": "s/#", "direction": "out", "qos": 2}]
+        gw = gateway(broker_factory, [bridge(up.port, rules, status=False)])
+        pub = paho_client(gw.port, "q2pub")
+        pub.publish_wait("s/x", b"once", qos=2)
+        pub.close()
+        assert up.done.wait(30), up.errors or gw.log_text()[-2000:]
+        assert not up.errors, up.errors
+        assert up.first == 3, "the bridge sent packet type %r first" % up.first
+    finally:
+        up.close()
+
+
+@ASYNC
+def test_a_retained_sync_cut_short_by_another_restart_is_sent_again(broker_factory, upstream):
+    """An upstream without persistence restarts while the retained sync of
+    its last restart is half sent (paced): what it had taken is gone with
+    it, so the whole state is queued again (before: not, while the rest of
+    the last sync still waited: the upstream kept a fraction for good)."""
+    up = upstream("persistence false\n")
+    gw = gateway(broker_factory, [bridge(up.port, OUT, replay_rate=20, status=False)])
+    wait_connected(gw)
+    publish_many(gw.port, [("sensors/r%d" % i, b"v%d" % i) for i in range(60)])
+    pub = paho_client(gw.port, "rsync")
+    for i in range(60):
+        pub.publish_wait("sensors/r%d" % i, b"v%d" % i, qos=1, retain=True)
+    pub.close()
+    want = {("site1/gw1/sensors/r%d" % i, b"v%d" % i) for i in range(60)}
+    assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == want, 30)
+    up.stop()
+    up.start()  # the sync of all 60 is queued, sent at 20 a second
+    wait_connected(gw, 2, timeout=20)
+    time.sleep(1.0)
+    up.stop()
+    up.start()  # part of that sync was taken and is lost again
+    wait_connected(gw, 3, timeout=20)
+    assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == want, 30), \
+        len(retained_upstream(up.port, "site1/gw1/sensors/#"))
+
+
+@ASYNC
+def test_resends_of_a_resumed_session_keep_to_its_new_maximum_qos(broker_factory, upstream,
+                                                                  collector, proxy):
+    """QoS 2 messages in flight when the link went; the upstream (keeping
+    our session) comes back with max_qos 1: they are sent again at QoS 1
+    (before: at 2, and the upstream ended the link on every attempt)."""
+    up = upstream()
+    col = collector(up.port, qos=1)
+    px = proxy(up.port)
+    rules = [dict(OUT[0], qos=2)]
+    gw = gateway(broker_factory, [bridge(px.port, rules, status=False, keepalive=30)])
+    wait_connected(gw)
+    px.freeze()  # what the bridge sends now stays in flight
+    publish_many(gw.port, [("sensors/q%d" % i, b"%d" % i) for i in range(6)], qos=2)
+    time.sleep(0.5)
+    px.refuse = True
+    px.cut()
+    px.thaw()
+    up.stop()
+    with open(up.conf, "a") as f:
+        f.write("max_qos 1\n")
+    up.start()
+    assert wait_for(lambda: col.c.is_connected(), 10)
+    px.refuse = False
+    want = {("site1/gw1/sensors/q%d" % i, b"%d" % i) for i in range(6)}
+    assert wait_for(lambda: want <= arrived(col), 20), (sorted(arrived(col)),
+                                                        gw.log_text()[-2000:])
+    assert gw.log_text().count("bridge cloud: link down") == 1, gw.log_text()[-2000:]
+
+
+@ASYNC
+def test_latest_mode_a_retained_sync_does_not_skip_a_newer_plain_message(broker_factory,
+                                                                         upstream, proxy,
+                                                                         collector):
+    up = upstream("persistence false\n")
+    px = proxy(up.port)
+    rules = [{"pattern": "l/#", "qos": 1, "mode": "latest", "remote_prefix": "g/"}]
+    gw = gateway(broker_factory, [bridge(px.port, rules, status=False)])
+    wait_connected(gw)
+    pub = paho_client(gw.port, "lsync")
+    pub.publish_wait("l/x", b"old-retained", qos=1, retain=True)
+    assert wait_for(lambda: retained_upstream(up.port, "g/#") == {("g/l/x", b"old-retained")}, 10)
+    px.refuse = True
+    px.cut()
+    assert gw.wait_log("bridge cloud: link down", 15)
+    pub.publish_wait("l/x", b"plain", qos=1)  # newer, acknowledged while down
+    pub.close()
+    up.stop()
+    up.start()  # no session of ours: the retained copy is queued after "plain"
+    col = collector(up.port)
+    px.refuse = False
+    wait_connected(gw, 2, timeout=20)
+    assert wait_for(lambda: ("g/l/x", b"plain") in arrived(col), 15), col.get()
+    assert wait_for(lambda: retained_upstream(up.port, "g/#") == {("g/l/x", b"old-retained")},
+                    10)

@@ -125,6 +125,8 @@ def queue_report(b: ModuleType, path: str, limit: int = 20) -> Report:
                 seq = max(seq, unpack_from(">I", body, 0)[0] + 1)
             elif rt == b.T_REL and len(body) == 4:
                 rel.add(unpack_from(">I", body, 0)[0])
+            elif rt == b.T_REL and not body:
+                rel.clear()  # a new upstream session: the earlier exchanges are gone
             pos = nxt
         # the backlog: from the cursor on
         n = nb = 0
