@@ -1792,10 +1792,12 @@ class Engine:
     def holds(self, conn, b, i, end):
         # A PUBLISH waits (and what its connection sent after it but its
         # acknowledgements: held_acks) when its topic reaches a connected
-        # subscriber at high water, one of those subscribers' own too; not
-        # before CONNECT. Only while some queue is at high water; a topic
-        # given by an alias alone waits whatever it is.
-        if conn.sess is None:
+        # subscriber at high water, unless it comes from one of those
+        # subscribers (a client that reads only once its PUBACK came would
+        # wait for itself) or before CONNECT. Only while some queue is at
+        # high water; a topic given by an alias alone waits whatever it is.
+        sess = conn.sess
+        if sess is None or sess.hw:
             return False
         if end - i < 2:
             return False  # malformed: handle() says so
@@ -1832,24 +1834,13 @@ class Engine:
         # lost). What else it sent stays in order behind that PUBLISH.
         h = conn.held
         i = 0
-        while True:
-            n = len(h)
-            j = i + 1
-            rl = 0
-            sh = 0
-            while True:
-                if j >= n:
-                    return
-                d = h[j]
-                j += 1
-                rl |= (d & 0x7F) << sh
-                if not d & 0x80:
-                    break
-                sh += 7
-                if sh > 21:
-                    return  # malformed: said when the input is resumed
+        while i + 1 < len(h):
+            try:
+                rl, j = read_vbi(h, i + 1, len(h))
+            except MqttError:
+                return  # still coming, or malformed: said when the input is resumed
             end = j + rl
-            if end > n:
+            if end > len(h):
                 return
             if h[i] >> 4 in (_PUBACK, _PUBREC, _PUBCOMP, _PINGREQ):
                 self.handle(conn, h[i], h, j, end)
@@ -1864,16 +1855,7 @@ class Engine:
         # held PUBLISH and io_chunk more (so its acknowledgements come in);
         # then its reading pauses until the flow resumes
         h = conn.held
-        j = 1
-        rl = 0
-        sh = 0
-        while j < len(h) and sh < 28:
-            d = h[j]
-            j += 1
-            rl |= (d & 0x7F) << sh
-            if not d & 0x80:
-                break
-            sh += 7
+        rl, j = read_vbi(h, 1, len(h))  # the held PUBLISH's: whole (feed())
         return len(h) < j + rl + self.cfg["io_chunk"]
 
     def mark(self, sess):

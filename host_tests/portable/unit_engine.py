@@ -1339,8 +1339,8 @@ def test_max_queued_total_takes_from_an_offline_queue_before_a_longer_connected_
     offline_sub(eng, "o", "y")
     c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
     c.sub("x", 1)
-    for k in range(5):                                 # routed, not read: never held
-        eng.publish(eng.make_msg("x", b"x%d" % k, 1, b"", 0), False, None, "x")
+    for k in range(5):                                 # its own PUBLISHes are never held
+        c.send(publish("x", b"x%d" % k, 1, k + 1))
     sc = eng.sessions["c"]
     assert len(sc.queue) == 4 and sc.hw
     p = Peer(eng, "p")
@@ -1355,26 +1355,32 @@ def test_a_held_connection_s_acknowledgements_are_taken_at_once():
     # Flow control holds a PUBLISH to a subscriber at high water and what
     # its connection sent after it, but not its acknowledgements of what it
     # was sent: those drain its own queue. A subscriber that publishes to a
-    # topic it reads would otherwise wait for itself (and the others for
-    # it) until slow_consumer_timeout ended them.
+    # topic another one reads would otherwise wait with its own messages
+    # unacknowledged (four chat clients held each other until
+    # slow_consumer_timeout ended them).
     eng = mk(max_queued=2)                             # high water 1
     c = Peer(eng, "c", props=p_u16(0x21, 1))           # Receive Maximum 1
     c.sub("x", 1)
+    d = Peer(eng, "d", props=p_u16(0x21, 1))
+    d.sub("y", 1)
     p = Peer(eng, "p")
     p.send(publish("x", b"x0", 1, 1))                  # in flight to c
     p.send(publish("x", b"x1", 1, 2))                  # queued: c at high water
-    assert eng.sessions["c"].hw and [pk_[0] >> 4 for pk_ in p.packets()] == [4, 4]
+    p.send(publish("y", b"y0", 1, 3))                  # in flight to d
+    assert eng.sessions["c"].hw and [pk_[0] >> 4 for pk_ in p.packets()] == [4, 4, 4]
+    got = d.msgs()
+    assert [m.payload for m in got] == [b"y0"]
+    # d's PUBLISH to x waits; its PUBACK behind it (and a PINGREQ) do not
+    d.send(publish("x", b"d0", 1, 7) + ack(4, got[0].pid) + bytes((0xC0, 0)))
+    assert d.c.held is not None and len(d.c.held) == len(publish("x", b"d0", 1, 7))
+    assert not eng.sessions["d"].inflight
+    assert [pk_[0] >> 4 for pk_ in d.packets()] == [13]  # PINGRESP, no PUBACK yet
     got = c.msgs()
-    assert [m.payload for m in got] == [b"x0"]
-    # c's own PUBLISH to x waits; its PUBACK behind it (and a PINGREQ) do not
-    c.send(publish("x", b"c0", 1, 7) + ack(4, got[0].pid) + bytes((0xC0, 0)))
-    assert c.c.held is not None and len(c.c.held) == len(publish("x", b"c0", 1, 7))
-    got = c.packets()
-    assert [pk_[0] >> 4 for pk_ in got] == [3, 13]     # x1 sent, PINGRESP
+    c.send(ack(4, got[0].pid))                         # x1 goes: c's queue is empty
     assert not eng.sessions["c"].hw and eng.congested == 0
     eng.turn(T0 + 1)                                   # the held PUBLISH is read now
-    assert c.c.held is None
-    assert [pk_[0] >> 4 for pk_ in c.packets()] == [4]  # its PUBACK
+    assert d.c.held is None
+    assert [pk_[0] >> 4 for pk_ in d.packets()] == [4]  # its PUBACK
 
 
 def test_max_queued_total_at_half_holds_the_publishers_of_a_reading_subscriber():
