@@ -775,6 +775,8 @@ class Bridge:
         self.looped = 0  # 3.1.1: inbound messages dropped as possible echoes
         self.toolarge = 0  # queued messages over the upstream's Maximum Packet Size
         self.indrop = 0  # inbound messages not published locally (too large, refused)
+        self.expired = 0  # queued messages whose Message Expiry ran out before they went
+        self.uprefused = 0  # PUBACK/PUBREC with a reason code >= 0x80 (5.0): not taken
         self.skip = 0  # bytes of a too large inbound packet still to drop
         self.upmax = 268435460
         self._rebuild_latest()
@@ -1137,6 +1139,7 @@ class Bridge:
                     if w and wall:
                         exp -= wall - w  # its lifetime went on while queued
                     if exp <= 0:
+                        self.expired += 1
                         self._skip(live, inf, pos)  # expired in the queue: never sent
                         continue
                 else:
@@ -1926,10 +1929,13 @@ class Bridge:
     def _handle(self, first, b, i, end):
         t = first >> 4
         if t == 4 or t == 7:  # PUBACK, PUBCOMP (the drain's path: first)
+            if t == 4 and end - i > 2 and b[i + 2] >= 0x80:
+                self.uprefused += 1  # refused (5.0 reason code): done, counted
             self._acked(b[i] << 8 | b[i + 1], True)
         elif t == 5:  # PUBREC
             pid = b[i] << 8 | b[i + 1]
             if end - i > 2 and b[i + 2] >= 0x80:
+                self.uprefused += 1
                 self._acked(pid, True)  # refused: the exchange ends (4.3.3)
             else:
                 self._acked(pid, False)
@@ -2066,6 +2072,8 @@ class Bridge:
             "too_large": self.toolarge,
             "latest_untracked": self.lfull,
             "inbound_dropped": self.indrop,
+            "expired": self.expired,
+            "refused_upstream": self.uprefused,
             "sent": self.sent,
             "acked": self.acked,
             "live_sent": self.lsent,

@@ -1151,6 +1151,7 @@ def test_message_expiry_counts_the_time_in_the_queue(broker_factory, upstream, c
     assert wait_for(lambda: ("site1/gw1/sensors/long", b"kept") in arrived(col), 10)
     time.sleep(0.5)
     assert ("site1/gw1/sensors/short", b"gone") not in arrived(col)
+    assert bridge_state(gw.port)["expired"] == 1  # counted, as every message not sent
 
 
 @ASYNC

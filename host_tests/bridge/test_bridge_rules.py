@@ -515,3 +515,41 @@ def test_latest_mode_a_retained_sync_does_not_skip_a_newer_plain_message(broker_
     assert wait_for(lambda: ("g/l/x", b"plain") in arrived(col), 15), col.get()
     assert wait_for(lambda: retained_upstream(up.port, "g/#") == {("g/l/x", b"old-retained")},
                     10)
+
+
+class RefusingUpstream(ScriptedUpstream):
+    """Answers the bridge's QoS 1 PUBLISH with PUBACK 0x87 (not authorized)."""
+
+    def _run(self):
+        try:
+            s, _ = self.srv.accept()
+            buf = bytearray()
+            self._packets(s, buf, 1)  # CONNECT
+            s.sendall(b"\x20\x03\x00\x00\x00")
+            body = self._packets(s, buf, 3)
+            pid = body[2 + (body[0] << 8 | body[1]):][:2]
+            s.sendall(b"\x40\x03" + pid + b"\x87")
+            self.done.set()
+            time.sleep(5)
+            s.close()
+        except Exception as e:  # reported by the test
+            self.errors.append(repr(e))
+
+
+@ASYNC
+def test_a_message_the_upstream_refuses_is_counted(broker_factory):
+    """PUBACK with a reason code >= 0x80 ends the exchange (nothing to resend:
+    the upstream will not take it); counted in refused_upstream, not lost
+    silently."""
+    up = RefusingUpstream()
+    try:
+        gw = gateway(broker_factory, [bridge(up.port, OUT, status=False)])
+        pub = paho_client(gw.port, "refpub")
+        pub.publish_wait("sensors/denied", b"x", qos=1)
+        pub.close()
+        assert up.done.wait(30), up.errors or gw.log_text()[-2000:]
+        assert not up.errors, up.errors
+        assert wait_for(lambda: bridge_state(gw.port)["refused_upstream"] == 1, 10)
+        assert bridge_state(gw.port)["backlog"] == 0
+    finally:
+        up.close()
