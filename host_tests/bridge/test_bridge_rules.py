@@ -329,14 +329,29 @@ class ScriptedUpstream:
             buf += got
         raise AssertionError("no packet of type %d" % want)
 
+    def _accept(self, present=False):
+        # the next connection, past its CONNECT: CONNACK (session present or not)
+        s, _ = self.srv.accept()
+        buf = bytearray()
+        self._packets(s, buf, 1)
+        s.sendall(b"\x20\x03" + (b"\x01" if present else b"\x00") + b"\x00\x00")
+        return s, buf
+
+    def _finish(self, s):
+        self.done.set()
+        time.sleep(5)
+        s.close()
+
+    @staticmethod
+    def _pid(body):
+        # a PUBLISH body's packet identifier (its topic first)
+        return body[2 + (body[0] << 8 | body[1]) :][:2]
+
     def _run(self):
         qos2 = b"\x00\x05cmd/x\x00\x07\x00once"  # topic, packet id 7, no properties
         try:
             for n in range(2):
-                s, _ = self.srv.accept()
-                buf = bytearray()
-                self._packets(s, buf, 1)  # CONNECT
-                s.sendall(b"\x20\x03" + (b"\x01" if n else b"\x00") + b"\x00\x00")
+                s, buf = self._accept(present=bool(n))
                 if not n and not self.go.wait(20):
                     raise AssertionError("the test did not subscribe")
                 dup = 0x08 if n else 0
@@ -349,9 +364,7 @@ class ScriptedUpstream:
                     continue
                 s.sendall(b"\x62\x02\x00\x07")  # PUBREL
                 self._packets(s, buf, 7)  # PUBCOMP
-                self.done.set()
-                time.sleep(5)
-                s.close()
+                self._finish(s)
         except Exception as e:  # reported by the test
             self.errors.append(repr(e))
 
@@ -377,6 +390,18 @@ def test_an_inbound_qos2_publish_resent_after_a_reconnect_is_published_once(brok
         up.close()
 
 
+def _through_script(broker_factory, up, rules, topic, qos):
+    """A gateway bridged to a scripted upstream and one local message sent
+    through it; returns the gateway once the script has played."""
+    gw = gateway(broker_factory, [bridge(up.port, rules, status=False)])
+    pub = paho_client(gw.port, "scripted-pub")
+    pub.publish_wait(topic, b"x", qos=qos)
+    pub.close()
+    assert up.done.wait(30), up.errors or gw.log_text()[-2000:]
+    assert not up.errors, up.errors
+    return gw
+
+
 class Qos2Upstream(ScriptedUpstream):
     """Connection 1 takes a QoS 2 PUBLISH, sends PUBREC and goes away as
     the PUBREL comes (no PUBCOMP: an upstream restarted without
@@ -387,26 +412,21 @@ class Qos2Upstream(ScriptedUpstream):
         self.first = None
         try:
             for n in range(2):
-                s, _ = self.srv.accept()
-                buf = bytearray()
-                self._packets(s, buf, 1)  # CONNECT
-                s.sendall(b"\x20\x03\x00\x00\x00")  # session present 0, both times
+                s, buf = self._accept()  # session present 0, both times
                 if not n:
                     body = self._packets(s, buf, 3)
-                    s.sendall(b"\x50\x02" + body[2 + (body[0] << 8 | body[1]):][:2])
+                    s.sendall(b"\x50\x02" + self._pid(body))
                     self._packets(s, buf, 6)  # PUBREL: then gone
                     s.close()
                     continue
                 first, body = self._packets(s, buf, (3, 6), whole=True)
                 self.first = first >> 4
                 if self.first == 3:
-                    pid = body[2 + (body[0] << 8 | body[1]):][:2]
+                    pid = self._pid(body)
                     s.sendall(b"\x50\x02" + pid)
                     self._packets(s, buf, 6)
                     s.sendall(b"\x70\x02" + pid)
-                self.done.set()
-                time.sleep(5)
-                s.close()
+                self._finish(s)
         except Exception as e:  # reported by the test
             self.errors.append(repr(e))
 
@@ -422,12 +442,7 @@ def test_a_qos2_message_past_pubrec_is_published_again_to_a_new_upstream_session
     up = Qos2Upstream()
     try:
         rules = [{"pattern": "s/#", "direction": "out", "qos": 2}]
-        gw = gateway(broker_factory, [bridge(up.port, rules, status=False)])
-        pub = paho_client(gw.port, "q2pub")
-        pub.publish_wait("s/x", b"once", qos=2)
-        pub.close()
-        assert up.done.wait(30), up.errors or gw.log_text()[-2000:]
-        assert not up.errors, up.errors
+        _through_script(broker_factory, up, rules, "s/x", 2)
         assert up.first == 3, "the bridge sent packet type %r first" % up.first
     finally:
         up.close()
@@ -522,16 +537,10 @@ class RefusingUpstream(ScriptedUpstream):
 
     def _run(self):
         try:
-            s, _ = self.srv.accept()
-            buf = bytearray()
-            self._packets(s, buf, 1)  # CONNECT
-            s.sendall(b"\x20\x03\x00\x00\x00")
+            s, buf = self._accept()
             body = self._packets(s, buf, 3)
-            pid = body[2 + (body[0] << 8 | body[1]):][:2]
-            s.sendall(b"\x40\x03" + pid + b"\x87")
-            self.done.set()
-            time.sleep(5)
-            s.close()
+            s.sendall(b"\x40\x03" + self._pid(body) + b"\x87")
+            self._finish(s)
         except Exception as e:  # reported by the test
             self.errors.append(repr(e))
 
@@ -543,12 +552,7 @@ def test_a_message_the_upstream_refuses_is_counted(broker_factory):
     silently."""
     up = RefusingUpstream()
     try:
-        gw = gateway(broker_factory, [bridge(up.port, OUT, status=False)])
-        pub = paho_client(gw.port, "refpub")
-        pub.publish_wait("sensors/denied", b"x", qos=1)
-        pub.close()
-        assert up.done.wait(30), up.errors or gw.log_text()[-2000:]
-        assert not up.errors, up.errors
+        gw = _through_script(broker_factory, up, OUT, "sensors/denied", 1)
         assert wait_for(lambda: bridge_state(gw.port)["refused_upstream"] == 1, 10)
         assert bridge_state(gw.port)["backlog"] == 0
     finally:
