@@ -1654,30 +1654,34 @@ class Bridge:
             return
         qos, flags, exp, w, tb, props, payload, seq = m
         qos = e[_I_QOS]
-        if qos > self.maxqos or len(tb) + len(props) + len(payload) + 16 > self.upmax:
+        if flags & F_EXP:
+            # MQTT-3.3.2-6: what is left of its lifetime, the time since the
+            # write counted as on the first send; gone by now, it still goes
+            # (its delivery began: MQTT-4.4.0-1), with the least there is
+            wall = eb._wallclock() or 0
+            if w and wall:
+                exp -= wall - w
+            if exp < 1:
+                exp = 1
+        else:
+            exp = -1
+        rf = flags & F_RETAIN
+        big = len(tb) + len(props) + len(payload) + 16 > self.upmax
+        if qos > self.maxqos or big:
             # the resumed session's upstream now grants less (its CONNACK:
             # Maximum QoS, Maximum Packet Size; MQTT-3.2.2-11, 3.1.2-24)
-            if len(tb) + len(props) + len(payload) + 16 > self.upmax:
+            if big:
                 self.toolarge += 1
                 qos = e[_I_QOS] = 0
             else:
                 qos = e[_I_QOS] = self.maxqos
                 if qos:
-                    self._publish(tb, qos, flags & F_RETAIN, e[_I_PID], props, -1, payload, True)
+                    self._publish(tb, qos, rf, e[_I_PID], props, exp, payload, True)
                     return
-                self._publish(tb, 0, flags & F_RETAIN, 0, props, -1, payload, False)
+                self._publish(tb, 0, rf, 0, props, exp, payload, False)
             self._acked(e[_I_PID], True)  # done: sent at QoS 0, or never
             return
-        self._publish(
-            tb,
-            qos,
-            flags & F_RETAIN,
-            e[_I_PID],
-            props,
-            exp if flags & F_EXP else -1,
-            payload,
-            True,
-        )
+        self._publish(tb, qos, rf, e[_I_PID], props, exp, payload, True)
 
     async def _wait(self, aio, t):
         ev = self.ev

@@ -23,7 +23,10 @@ What each test holds:
 - a `both` rule on 5.0: the upstream's copy of our own retained message is
   not sent back on the resumed subscription (Retain Handling 1);
 - an inbound QoS 2 PUBLISH resent (DUP) after a reconnect that resumes the
-  session is published locally once (4.3.3).
+  session is published locally once (4.3.3);
+- a resend to a resumed upstream session carries the Message Expiry
+  Interval that is left (MQTT-3.3.2-6), also when downgraded to the
+  upstream's new Maximum QoS.
 """
 
 import json
@@ -555,5 +558,80 @@ def test_a_message_the_upstream_refuses_is_counted(broker_factory):
         gw = _through_script(broker_factory, up, OUT, "sensors/denied", 1)
         assert wait_for(lambda: bridge_state(gw.port)["refused_upstream"] == 1, 10)
         assert bridge_state(gw.port)["backlog"] == 0
+    finally:
+        up.close()
+
+
+def _expiry(first, body):
+    # a PUBLISH's Message Expiry Interval (0x02), or None: its topic, its
+    # packet id (QoS 1, 2), then the property block (the bridge writes 0x02
+    # first)
+    i = 2 + (body[0] << 8 | body[1]) + (2 if first & 6 else 0)
+    n, shift = 0, 0
+    while True:
+        b = body[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    props = body[i:i + n]
+    return int.from_bytes(props[1:5], "big") if props[:1] == b"\x02" else None
+
+
+class ResendUpstream(ScriptedUpstream):
+    """Connection 1 takes a QoS 1 PUBLISH, holds it unacknowledged for 3 s
+    and goes away; connection 2 resumes the session (present 1), granting
+    Maximum QoS `maxqos` (None: not limited), and takes the resend. Both
+    PUBLISHes' Message Expiry Intervals are recorded."""
+
+    def __init__(self, maxqos=None):
+        self.maxqos = maxqos
+        super().__init__()
+
+    def _run(self):
+        self.seen = []
+        try:
+            for n in range(2):
+                if not n or self.maxqos is None:
+                    s, buf = self._accept(present=bool(n))
+                else:
+                    s, _ = self.srv.accept()
+                    buf = bytearray()
+                    self._packets(s, buf, 1)
+                    s.sendall(b"\x20\x05\x01\x00\x02\x24" + bytes((self.maxqos,)))
+                first, body = self._packets(s, buf, 3, whole=True)
+                self.seen.append(_expiry(first, body))
+                if not n:
+                    time.sleep(3)
+                    s.close()
+                    continue
+                if first & 6:
+                    s.sendall(b"\x40\x02" + self._pid(body))
+                self._finish(s)
+        except Exception as e:  # reported by the test
+            self.errors.append(repr(e))
+
+
+@ASYNC
+@pytest.mark.parametrize("maxqos", [None, 0])
+def test_a_resend_carries_the_message_expiry_that_is_left(broker_factory, maxqos):
+    """MQTT-3.3.2-6: what goes on carries the received Message Expiry
+    Interval minus the time the message waited here. A resend to a resumed
+    upstream session counts the time since the write too (before: the
+    first send's figure again, so the upstream kept the message seconds
+    longer than its publisher allowed; and a resend downgraded to the
+    upstream's new Maximum QoS 0 went with no expiry at all)."""
+    up = ResendUpstream(maxqos)
+    try:
+        gw = gateway(broker_factory, [bridge(up.port, OUT, status=False)])
+        pub = paho_client(gw.port, "expiring-pub")
+        pub.publish_wait("sensors/exp", b"x", qos=1, properties={"MessageExpiryInterval": 60})
+        pub.close()
+        assert up.done.wait(30), up.errors or gw.log_text()[-2000:]
+        assert not up.errors, up.errors
+        first, again = up.seen
+        assert first is not None and 58 <= first <= 60, up.seen
+        assert again is not None and again <= first - 2, up.seen
     finally:
         up.close()
