@@ -2260,15 +2260,24 @@ class Engine:
         want = users.get(user)
         if want is None:
             # a user name the profile does not know is only accepted when
-            # anonymous access is allowed and no users are configured
-            return bool(self.cfg["allow_anonymous"]) and not users
+            # anonymous access is allowed and no users are configured; else
+            # its refusal takes a known user's hashing time, so that the
+            # delay of the answer does not tell which names exist
+            if users:
+                for want in users.values():
+                    self.auth.check_password(want, pw or b"")
+                    break
+                return False
+            return bool(self.cfg["allow_anonymous"])
         if pw is None:
             return False
         return self.auth.check_password(want, pw)
 
     def new_client_id(self):
+        # random like mosquitto's auto-<uuid>: an assigned id that can be
+        # guessed lets another client take over that session (MQTT-3.1.4-3)
         self._next_id += 1
-        return "edgebroker-%d-%d" % (self._next_id, int(self.now_s * 1000) & 0xFFFF)
+        return "edgebroker-%d-%016x" % (self._next_id, int.from_bytes(_new_key(), "big"))
 
     def new_session(self, cid):
         s = Session(cid)

@@ -188,6 +188,10 @@ def test_empty_client_id_gets_assigned_client_identifier_MQTT_3_2_2_16(broker):
     ida = a.connack.props.get(ASSIGNED_CLIENT_IDENTIFIER)
     idb = b.connack.props.get(ASSIGNED_CLIENT_IDENTIFIER)
     assert ida and idb and ida != idb
+    # and not guessable from each other (mosquitto: auto-<random UUID>): the
+    # ids of two connections in a row differ in more than a counter and a
+    # clock (before: edgebroker-1-12345, then edgebroker-2-12346)
+    assert sum(x != y for x, y in zip(ida, idb)) >= 8, (ida, idb)
     # both stay usable
     assert a.subscribe([("anon/t", 0)]) == [0]
     b.publish("anon/t", b"x")

@@ -9,7 +9,8 @@
   warns on plain text, and warns on bind 0.0.0.0 with allow_anonymous true;
 - the example secrets ship no working password;
 - the broker accepts the entry's password and refuses another (both
-  interpreters, 3.1.1 and 5.0).
+  interpreters, 3.1.1 and 5.0), and refuses an unknown user name after the
+  same hashing time (no user name enumeration by timing).
 """
 
 import fcntl
@@ -256,3 +257,28 @@ def test_broker_accepts_the_passwd_entry(broker_factory, interp):
             c = RawClient(b.port, version=version)
             assert c.connect("no-%d" % version, username=user, password=pw).reason == refused
             c.close()
+
+
+def test_an_unknown_user_is_refused_as_slowly_as_a_wrong_password(broker_factory, interp):
+    """A user name the profile does not know is refused after the same
+    PBKDF2 work as a known user's wrong password: the delay of the CONNACK
+    does not tell which names exist (before: a known name took the hashing
+    time, an unknown one none). Iterations high enough that the hashing
+    dwarfs a round trip on both interpreters."""
+    if interp == "mosquitto":
+        pytest.skip("edgebroker's own password entries")
+    r = edgebroker("passwd", "gw", "--print", "--iterations", "100000", stdin_text="right\n")
+    b = broker_factory(users={"gw": r.stdout.strip()}, allow_anonymous=False, sys_interval=0)
+
+    def refusal(user):
+        c = RawClient(b.port, version=5)
+        t = time.monotonic()
+        assert c.connect("t-" + user, username=user, password=b"wrong").reason == 0x86
+        took = time.monotonic() - t
+        c.close()
+        return took
+
+    known = min(refusal("gw") for _ in range(2))
+    unknown = min(refusal("nobody") for _ in range(2))
+    assert known > 0.03, known  # the hashing is what is measured
+    assert unknown > known / 2, (known, unknown)
