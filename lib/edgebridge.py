@@ -25,7 +25,9 @@
 #              props (5.0 forwarded property bytes) | payload (the rest)
 #     "K" 0x4B cursor: offset (4) of the first message not acknowledged
 #              upstream; every "M" before it was acknowledged (PUBACK, or
-#              PUBCOMP for QoS 2) | next seq (4). The last "K" wins.
+#              PUBCOMP for QoS 2) | next seq (4). The last "K" wins. A
+#              new file's first commit (the retained sync) ends with one:
+#              a file without any is new, its sync is done again.
 #     "R" 0x52 released: seq (4) of a QoS 2 message the upstream answered
 #              with PUBREC, written and fsynced before our PUBREL leaves: after
 #              a restart it gets PUBREL again, never a second PUBLISH
@@ -385,13 +387,10 @@ class Queue:
             self._create()
             return
         self.f = f
-        # a file that never got past its header was made by a run that
-        # stopped before its first commit: the retained sync it was made
-        # for (Bridge._retained_sync) is done again
-        self.created = size == _HDR
         pos = _HDR
         cur = _HDR
         torn = False
+        mark = False  # a cursor record: a first commit got through whole
         while pos < size:
             rt, body, nxt = read_record(f, pos, size)
             if rt is None:
@@ -401,6 +400,7 @@ class Queue:
                 self.corrupt += 1
             elif rt == T_CURSOR and len(body) == 8:
                 cur, seq = unpack_from(">II", body, 0)
+                mark = True
                 if seq > self.seq:
                     self.seq = seq
             elif rt == T_MSG and len(body) >= 4:
@@ -413,9 +413,15 @@ class Queue:
             cur = pos
         self.cursor = cur
         self._count()
+        # The retained sync a new file is made for (Bridge._retained_sync)
+        # ends with a cursor record in its commit: a file without one was
+        # made by a run whose first commit never got through whole (a power
+        # cut tore it, or none came), so the sync is done again (its copies
+        # are retained messages: one sent twice is the same state)
+        self.created = not mark
         if torn:
             self._log("warning", "bridge queue %s: torn tail at %d ignored" % (path, pos))
-            self.compact()
+            self.compact(mark)
 
     def _count(self):
         n = 0
@@ -580,17 +586,20 @@ class Queue:
         ):
             self.compact()
 
-    def compact(self):
+    def compact(self, mark=True):
         """Streams the records from the cursor into <file>.new, then renames
-        it over the file. Offsets move down by cursor - header (moved())."""
+        it over the file. Offsets move down by cursor - header (moved()).
+        mark False: no cursor record first (the file had none: _open)."""
         if self.wb:
             self.commit()
         path = self.path
         new = path + ".new"
         g = open(new, "wb")
         g.write(HEADER)
-        # the message numbering goes on from where it was (packet ids)
-        g.write(record(T_CURSOR, pack(">II", _HDR + 17, self.seq)))
+        k = _HDR + 17 if mark else _HDR
+        if mark:
+            # the message numbering goes on from where it was (packet ids)
+            g.write(record(T_CURSOR, pack(">II", k, self.seq)))
         f = self.f
         pos = self.cursor
         while pos < self.fend:
@@ -600,7 +609,7 @@ class Queue:
             if rt is None:
                 break
             if rt == T_CURSOR and len(body) == 8:
-                g.write(record(T_CURSOR, pack(">II", _HDR + 17, self.seq)))
+                g.write(record(T_CURSOR, pack(">II", k, self.seq)))
             else:
                 f.seek(pos)
                 g.write(f.read(nxt - pos))
@@ -611,10 +620,10 @@ class Queue:
         _rename(new, path)
         self.unsynced = False  # every live record is in the synced copy
         self.rb = self.rbv = None
-        delta = self.cursor - _HDR - 17
+        delta = self.cursor - k
         self.f = open(path, "r+b")
         self.fend -= delta
-        self.cursor = _HDR + 17
+        self.cursor = k
         self.kdirty = False
         if self.moved is not None and delta:
             self.moved(delta)
@@ -978,6 +987,9 @@ class Bridge:
                 if o2[1] is r:
                     self.put(m, 1, None, topic)
         self.syncing = False
+        q = self.q
+        # its commit ends with a cursor record (what Queue._open looks for)
+        q.wb.extend(record(T_CURSOR, pack(">II", q.cursor, q.seq)))
         self.eng.sdirty = True  # committed at the first turn
 
     # ------------------------------------------------------------ writing
@@ -1578,7 +1590,7 @@ class Bridge:
         self.tokens = 1.0
         q = self.q
         self.lstart = q.end  # queued before this connect: paced by replay_rate
-        if self.pace and not self.split and self.sendpos < q.end:
+        if self.pace and not self.split and self._more(self.sendpos):
             # a backlog to pace: messages queued from now on whose topic
             # has nothing in it go by the live lane
             self.split = True
@@ -1586,6 +1598,20 @@ class Bridge:
             self.linf = []
             self.lskipn = 0
         self._state()
+
+    def _more(self, pos):
+        # a message record at or after pos: cursor and release records
+        # after the last message (written when acknowledgements came) are
+        # no backlog
+        q = self.q
+        while pos < q.end:
+            rt, body, nxt = q.read(pos)
+            if rt is None:
+                return False
+            if rt == T_MSG:
+                return True
+            pos = nxt
+        return False
 
     def _flight(self):
         # the QoS 1/2 PUBLISHes the window counts (MQTT-3.3.4-9): both

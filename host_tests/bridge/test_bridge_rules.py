@@ -11,9 +11,9 @@ What each test holds:
   (it would make every PUBLISH one the upstream must refuse, MQTT-3.3.2-2),
   and the two checks agree on patterns;
 - the retained state reaches the upstream when a bridge is added to a
-  gateway that already holds retained messages, when a queue file never
-  got past its header, and when the upstream comes back without our
-  session (restarted without persistence);
+  gateway that already holds retained messages, when a queue file's first
+  commit (the sync's) was torn by a power cut, and when the upstream comes
+  back without our session (restarted without persistence);
 - in `latest` mode a retained change or delete is not skipped for a later
   plain message of its topic;
 - the upstream's Maximum QoS and Retain Available (MQTT-3.2.2-11/14) are
@@ -171,6 +171,53 @@ def test_a_bridge_added_later_sends_the_retained_state_it_finds(broker_factory, 
     gw = gateway(broker_factory, [bridge(up.port, OUT)], port=gw.port)
     wait_connected(gw)
     assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == want, 10)
+
+
+@ASYNC
+@pytest.mark.parametrize("cut", ["in the first record", "in the second record"])
+def test_a_retained_sync_torn_by_a_power_cut_is_sent_again(broker_factory, upstream, tmp_path,
+                                                           cut):
+    """The retained sync of a new queue file is written at the first commit;
+    a power cut tearing that write leaves the header and a torn tail, or
+    the sync's first records and a torn one. Nothing of it was acknowledged,
+    so it is done again at the next start, also when the upstream keeps our
+    session (before: only a file that never got past its header was new,
+    and the upstream never got the rest)."""
+    up = upstream()
+    gw = gateway(broker_factory, [])
+    pub = paho_client(gw.port, "pre")
+    for t in ("sensors/pre1", "sensors/pre2"):
+        pub.publish_wait(t, b"before", qos=1, retain=True)
+    pub.close()
+    gw.stop()
+    # the upstream gets our session (and the retained state, cleared after)
+    gw = gateway(broker_factory, [bridge(up.port, OUT)], port=gw.port)
+    wait_connected(gw)
+    want = {("site1/gw1/sensors/pre1", b"before"), ("site1/gw1/sensors/pre2", b"before")}
+    assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == want, 10)
+    gw.stop()
+    cloud = paho_client(up.port, "clear")
+    for t, _ in want:
+        cloud.publish_wait(t, b"", qos=1, retain=True)
+    cloud.close()
+    assert retained_upstream(up.port, "site1/gw1/sensors/#") == set()
+    # a new queue file's first commit (the upstream away: nothing sent),
+    # then torn as a power cut during that write leaves it
+    qf = tmp_path / "data" / "bridge-cloud.ebrq"
+    qf.unlink()
+    gw = gateway(broker_factory, [bridge(free_port(), OUT)], port=gw.port)
+    assert wait_for(lambda: qf.exists() and qf.stat().st_size > 8 + 2 * 9, 10)
+    gw.stop()
+    data = qf.read_bytes()
+    assert data[:4] == b"EBRQ" and data[8:9] == b"M", data[:16]
+    first = 8 + 9 + int.from_bytes(data[9:13], "big")  # type, length, body, crc
+    assert data[first:first + 1] == b"M", data[first:first + 1]
+    qf.write_bytes(data[:8 + 7] if cut == "in the first record" else data[:first + 7])
+    gw = gateway(broker_factory, [bridge(up.port, OUT)], port=gw.port)
+    wait_connected(gw)
+    assert "session present" in gw.log_text(), gw.log_text()[-2000:]
+    assert wait_for(lambda: retained_upstream(up.port, "site1/gw1/sensors/#") == want, 10), \
+        gw.log_text()[-2000:]
 
 
 @ASYNC
