@@ -980,30 +980,60 @@ _PROP_NAMES = (
 )
 
 
+def _prop_val(k, v, text):
+    # A string property (1.5.4: UTF-8, no U+0000, MQTT-1.5.4-2) or binary
+    # data (1.5.6): str or bytes of at most 65,535 bytes (a longer one would
+    # wrap its 2-byte length and corrupt the packet), encoded
+    if isinstance(v, str):
+        b = v.encode()
+    elif isinstance(v, (bytes, bytearray)):
+        b = bytes(v)
+        if text:
+            try:
+                str(b, "utf-8")
+            except UnicodeError:
+                raise ValueError("properties: %s %r is not UTF-8" % (k, v)) from None
+    else:
+        raise ValueError("properties: %s %r is not str or bytes" % (k, v))
+    if len(b) > 0xFFFF or (text and b"\x00" in b):
+        raise ValueError("properties: %s over 65535 bytes or holding U+0000" % k)
+    return mqstr(b)
+
+
 def encode_props(d):
     """A local publish's properties dict -> (forwarded property bytes,
-    Message Expiry Interval or 0). Unknown names raise ValueError."""
+    Message Expiry Interval or 0). Unknown names and values a property
+    cannot hold raise ValueError."""
+    if not isinstance(d, dict):
+        raise ValueError("properties: %r is not a dict" % (d,))
     out = bytearray()
     exp = 0
     for k in d:
         v = d[k]
         if k == "message_expiry_interval":
-            if not isinstance(v, int) or not 0 <= v <= 0xFFFFFFFF:
+            if type(v) is not int or not 0 <= v <= 0xFFFFFFFF:
                 raise ValueError(
                     "properties: message_expiry_interval %r (allowed 0..4294967295)" % (v,)
                 )
             exp = v
         elif k == "user_properties":
+            if not isinstance(v, (list, tuple)):
+                raise ValueError("properties: user_properties %r is not a list of pairs" % (v,))
             for pair in v:
-                out += bytes((_P_USER,)) + mqstr(pair[0]) + mqstr(pair[1])
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise ValueError("properties: user_properties %r is not a pair" % (pair,))
+                out.append(_P_USER)
+                out += _prop_val(k, pair[0], True) + _prop_val(k, pair[1], True)
         elif k == "payload_format_indicator":
             out += prop_byte(_P_PAYLOAD_FORMAT, 1 if v else 0)
         elif k == "correlation_data":
-            out += prop_str(_P_CORRELATION, v)
+            out.append(_P_CORRELATION)
+            out += _prop_val(k, v, False)
         elif k in ("content_type", "response_topic"):
-            if k == "response_topic" and not valid_topic_name(v):
+            if k == "response_topic" and not (isinstance(v, str) and valid_topic_name(v)):
                 raise ValueError("properties: response_topic %r is not a topic name" % (v,))
-            out += prop_str(_P_CONTENT_TYPE if k == "content_type" else _P_RESPONSE_TOPIC, v)
+            out.append(_P_CONTENT_TYPE if k == "content_type" else _P_RESPONSE_TOPIC)
+            out += _prop_val(k, v, True)
         else:
             raise ValueError("properties: unknown property %r" % (k,))
     return bytes(out), exp
@@ -1559,6 +1589,7 @@ class Engine:
         self.busy = []  # sessions with deliveries that can go on now
         self.deferred = []  # connections with acks waiting for commit()
         self.localq = []  # [session, msg, retain]: local callbacks to run at turn()
+        self.in_cb = False  # a local callback runs (run_local is not re-entered)
         # Durable sinks: objects with put(msg, retain, origin, topic) -> True if they
         # took it, a `durable` flag and commit() (raises OSError on failure).
         # A bridge's store-and-forward queue is one. commit() commits them
@@ -2651,13 +2682,20 @@ class Engine:
         conn = sess.conn
         if sess.cb is not None:
             # a local subscription: called at the end of this turn, from the
-            # loop; bounded like a session queue (drop oldest, counted)
+            # loop. From max_queued waiting on, it is at high water like a
+            # session queue: PUBLISHes that reach it wait unread until the
+            # turn's run_local() (flow control: acknowledged messages are not
+            # dropped for a subscriber that keeps reading, and a callback
+            # always does). Past 4 x max_queued (a callback's own burst:
+            # nothing holds it) the oldest is dropped, counted
             lq = self.localq
             if len(lq) >= self.max_queued * 4:
                 lq.pop(0)
                 self.n_dropped += 1
                 self.refuse("local_queue_full", "local subscriber %s", sess.cid)
             lq.append((sess, msg, retain))
+            if len(lq) >= self.max_queued:
+                self.mark(sess)
             return
         if conn is None:
             if qos:
@@ -3422,16 +3460,20 @@ class Engine:
             raise ValueError("qos: %r (allowed 0, 1, 2)" % (qos,))
         if retain and not cfg["retain_available"]:
             raise ValueError("retain: retain_available is false")
-        if len(payload) > self.max_packet:
-            raise ValueError("payload: larger than max_packet_size")
         fwd, exp = b"", 0
         if properties:
             fwd, exp = encode_props(properties)
+        if len(payload) + len(tb) + len(fwd) > self.max_packet:
+            raise ValueError("payload: with its topic and properties larger than max_packet_size")
         if qos > cfg["maximum_qos"]:
             qos = cfg["maximum_qos"]
         self.n_in += 1
         msg = (tb, payload, qos, fwd, self.now_s + exp if exp else 0, 1 if exp else 0)
         self.publish(msg, 1 if retain else 0, None, topic)
+        if len(self.localq) >= self.max_queued and not self.in_cb:
+            # your own code publishes faster than the loop turns: the local
+            # callbacks run now, in publish(), rather than lose the oldest
+            self.run_local()
 
     def local_subscribe(self, filt, callback, qos):
         if not isinstance(filt, str) or not valid_filter(filt) or filt[:7] == "$share/":
@@ -3479,6 +3521,9 @@ class Engine:
             # there) it and the rest run at the next turn, first
             self.localq = _unfinished(q, i, self.localq)
             raise
+        for ent in q:
+            if ent[0].hw:
+                self.unmark(ent[0])  # taken: the publishers it held go on
 
     def call_local(self, sess, msg, retain):
         cb = sess.cb
@@ -3489,12 +3534,15 @@ class Engine:
         props = decode_props(msg[_M_PROPS])
         if msg[_M_OWNEXP] and msg[_M_EXP]:
             props["message_expiry_interval"] = int(msg[_M_EXP] - self.now_s + 0.999)
+        self.in_cb = True
         try:
             cb(msg[_M_TB].decode(), msg[_M_PAYLOAD], bool(retain), props)
         except Exception as err:
             self.app_errors += 1
             self.log("error", "local subscriber %s raised %r", sess.cid, err)
             _print_exc(err)
+        finally:
+            self.in_cb = False
 
     def pump_local(self, sess):
         # retained messages for a local subscription: 32 a turn, so a large
@@ -3752,10 +3800,15 @@ class Broker:
 
     def stop(self):
         """Ends serve() or serve_async() at its next turn (callable from a
-        signal handler, a local callback or another task)."""
+        signal handler, a local callback or another task); a broker that
+        never served is shut down at once (port and store released)."""
         self.running = False
         if self._wake is not None:
             self._wake.set()
+        elif self.poller is None:
+            # start() and then the caller's own code failed: no server will
+            # run the shutdown it runs at its end
+            self.shutdown()
 
     # ---------------------------------------------------- the local client
     def publish(self, topic, payload, qos=0, retain=False, properties=None):
@@ -4073,8 +4126,16 @@ class Broker:
         # the tick instead of turning again at once (a loop that fails the
         # same way each turn would spin).
         short = False
+        now = self.clock()
+        eng = self.engine
+        if now - eng.now_s > 2:
+            # the loop was held (a blocking call beside the broker): what
+            # clients sent meanwhile is still unread, so keep alive is looked
+            # at a second later, once the readers have run (MQTT-3.1.2-22
+            # counts from a packet received, not from one read)
+            eng._last_tick = now
         try:
-            self.engine.turn(self.clock())
+            eng.turn(now)
         except MemoryError:
             short = self._short("MemoryError between packets")
         except Exception as err:  # a bug must not stop the broker
@@ -4493,6 +4554,10 @@ def start(profile=None, host="127.0.0.1", port=1883, data_dir=None, log=None):
     `await broker.serve_async()`. A bad profile value raises ValueError
     naming the key; a port in use raises OSError."""
     cfg = limits(profile)
+    if cfg["storage_type"] != "ram" and not data_dir:
+        # a flash store's files need a place: a RAM store instead would
+        # lose at the next start what a retained publish() said was kept
+        raise ValueError("data_dir: needed for storage_type %s" % cfg["storage_type"])
     load_modules(cfg)
     clock = MonoClock()
     if data_dir:

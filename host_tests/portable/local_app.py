@@ -14,6 +14,9 @@
 #     {"id": n, "op": "subscribe", "filter", "qos", "tag", "raise": bool}
 #       every message the callback gets is reported on app/seen/<tag>
 #       (topic, payload hex, retained, properties); "raise" makes it raise
+#       "count": true instead counts them (the "stats" answer has them)
+#     {"id": n, "op": "burst", "topic", "n", "qos"}: a task of the app's own
+#       publishes n messages without awaiting in between (asyncio server)
 #     {"id": n, "op": "stats"}
 #   and answers on app/result/<id>: {"ok": ...} or {"error": class, "text"}.
 # --app timer|idle: with a user task that wakes every 10 ms (timer) or
@@ -71,6 +74,7 @@ class Api:
     def __init__(self, broker, data_dir):
         self.b = broker
         self.data_dir = data_dir
+        self.counts = {}  # tag -> messages a counting subscriber got
         broker.subscribe("app/ctl", self.ctl, 1)
 
     def answer(self, cid, d):
@@ -98,15 +102,40 @@ class Api:
                 return self.on_disk(c["topic"])
             return True
         if op == "subscribe":
-            cb = None if c.get("no_callback") else self.reporter(c.get("tag", "t"), c.get("raise"))
+            if c.get("count"):
+                cb = self.counter(c.get("tag", "t"))
+            elif c.get("no_callback"):
+                cb = None
+            else:
+                cb = self.reporter(c.get("tag", "t"), c.get("raise"))
             self.b.subscribe(c["filter"], cb, c.get("qos", 0))
+            return True
+        if op == "burst":
+            # the application's own task publishes n messages without
+            # awaiting in between (asyncio server only)
+            import asyncio
+
+            asyncio.create_task(self.burst(c["topic"], c["n"], c.get("qos", 1)))
             return True
         if op == "unsubscribe":  # with whatever handle the test gives
             self.b.unsubscribe(c["handle"])
             return True
         if op == "stats":
-            return {"app_errors": self.b.engine.app_errors}
+            return {"app_errors": self.b.engine.app_errors, "counts": self.counts,
+                    "dropped": self.b.engine.n_dropped}
         raise ValueError("op: %r unknown" % (op,))
+
+    def counter(self, tag):
+        counts = self.counts
+        counts[tag] = 0
+
+        def cb(topic, payload, retained, props):
+            counts[tag] += 1
+        return cb
+
+    async def burst(self, topic, n, qos):
+        for i in range(n):
+            self.b.publish(topic, "%d" % i, qos)
 
     def reporter(self, tag, boom):
         b = self.b

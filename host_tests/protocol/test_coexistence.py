@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from mqtt_helpers import (STOP_ON_EOF, board_heap_64, broker_popen, free_port, mpy_build, paho_client,
-                          stop_process)
+from mqtt_helpers import (STOP_ON_EOF, RawClient, board_heap_64, broker_popen, free_port, mpy_build,
+                          paho_client, stop_process)
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "host_tests" / "portable" / "local_app.py"
@@ -168,6 +168,37 @@ def test_timer_catches_a_blocked_loop(app_factory):
     time.sleep(0.5)
     fig = app.timer()
     assert fig["late"] >= 1 and fig["worst_ms"] >= 250, fig
+
+
+def test_a_blocked_loop_is_not_the_clients_silence(app_factory):
+    """A local callback blocks the loop for 4 s while a 3.1.1 client with
+    Keep Alive 2 sends a PINGREQ every 0.5 s: its packets wait unread, so
+    it is not disconnected for keep alive (MQTT-3.1.2-24 counts from a
+    packet received), and its PINGs are answered once the loop is back
+    (before, under CPython the turn after the block looked at keep alive
+    before the readers ran and ended the connection)."""
+    app = app_factory("timer")
+    c = RawClient(app.port, version=4)
+    assert c.connect("pinger", version=4, keepalive=2).reason == 0
+    stop = threading.Event()
+
+    def pinger():
+        while not stop.wait(0.5):
+            try:
+                c.send(bytes((0xC0, 0)))
+            except OSError:
+                return
+    t = threading.Thread(target=pinger, daemon=True)
+    t.start()
+    try:
+        app.ctl.publish_wait("app/ctl", json.dumps({"op": "block", "ms": 4000}).encode(), qos=0)
+        time.sleep(6)
+    finally:
+        stop.set()
+        t.join(5)
+    assert "keep alive timeout" not in app.log_text(), app.log_text()[-2000:]
+    c.ping()  # answered: the connection is still there
+    c.disconnect()
 
 
 def test_idle_broker_wakes_only_a_few_times_a_second(app_factory):

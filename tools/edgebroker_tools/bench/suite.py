@@ -325,6 +325,7 @@ class Bench:
             "max_samples": 100_000,
         }
         workdir = Path(tempfile.mkdtemp(prefix=f"lateness-{interp}-", dir=self.tmp))
+        params["data_dir"] = str(workdir / "data")  # a flash store's files (disc, disc_only)
         out = (workdir / "stdout.txt").open("w+", encoding="utf-8")
         err = (workdir / "stderr.txt").open("w+", encoding="utf-8")
         proc = subprocess.Popen(

@@ -51,7 +51,7 @@ else:
 state = {"on": False, "done": False, "periods": 0}
 late = []
 LIMIT = P["max_samples"]
-broker = edgebroker.start(P["profile"], "127.0.0.1", P["port"])
+broker = edgebroker.start(P["profile"], "127.0.0.1", P["port"], P.get("data_dir"))
 
 
 def control(topic, payload, retained, properties):
