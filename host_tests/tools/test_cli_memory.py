@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mqtt_helpers import (SESSION_EXPIRY_INTERVAL, RawClient, mosquitto_pub, mosquitto_sub, mpy_build,
-                          prop_u32, puback, publish_packet)
+                          paho_client, prop_u32, puback, publish_packet)
 
 REPO = Path(__file__).resolve().parents[2]
 EDGEBROKER = Path(sys.executable).parent / "edgebroker"
@@ -60,6 +60,39 @@ def test_cli_run_serves_and_stops_cleanly(interp, tmp_path, sig):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("server", ["poll", "async"])
+def test_cli_run_micropython_takes_a_packet_near_max_packet_size(tmp_path, server):
+    """`run --interpreter micropython` without --heap gives the port the
+    profile's heap (host: 512 MB, its config check's figure), so a client
+    that keeps to the CONNACK's Maximum Packet Size (the host profile's
+    1 MB) is served: a 900 KB QoS 1 PUBLISH is acknowledged and delivered
+    (before: the port's default 2 MB, MemoryError, connection dropped)."""
+    port = _free_port()
+    cmd = [str(EDGEBROKER), "run", "--port", str(port), "--interpreter", "micropython",
+           "--server", server, "--data-dir", str(tmp_path / "d")]
+    p = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().startswith("edgebroker listening on")
+        big = bytes(range(256)) * (900 * 1024 // 256)
+        sub = paho_client(port, "big-sub")
+        sub.subscribe_wait("big/#", qos=1)
+        pub = paho_client(port, "big-pub")
+        pub.publish_wait("big/t", big, qos=1, timeout=20)
+        assert sub.wait_messages(1, timeout=20), p.stderr.read() if p.poll() is not None else ""
+        assert sub.get_messages()[0].payload == big
+        pub.close()
+        sub.close()
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def test_micropython_broker_holds_sigint_and_stops_at_end_of_stdin(broker_factory, interp):

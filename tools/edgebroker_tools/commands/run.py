@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from edgebroker_tools import profiles, runner
 from edgebroker_tools.commands import (
@@ -24,6 +24,8 @@ from edgebroker_tools.commands import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from edgebroker_tools.commands import Subparsers
 
 DEFAULT_BOARD = "boards/host.json"
@@ -81,7 +83,10 @@ def register(subparsers: Subparsers) -> None:
         type=_heap,
         default=None,
         metavar="SIZE",
-        help="MicroPython heap size, e.g. 256k, 2m, 131072 (ignored with cpython)",
+        help=(
+            "MicroPython heap size, e.g. 256k, 2m, 131072 (default: the profile's heap_bytes, "
+            "a 32-bit board's scaled to the 64-bit port, at least 2m; ignored with cpython)"
+        ),
     )
     parser.add_argument(
         "--data-dir",
@@ -134,6 +139,23 @@ def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
     return path.resolve()
 
 
+#: The unix port's own heap when no -X heapsize is given (2 MB, measured:
+#: gc.mem_free() + gc.mem_alloc() of MicroPython 1.2x's unix port).
+UNIX_DEFAULT_HEAP: Final = 2 * 1024 * 1024
+
+
+def default_heap(cfg: Mapping[str, Any]) -> str:
+    """The MicroPython heap `run` gives a profile without --heap: the heap
+    its `config check` budgets (heap_bytes, a 32-bit board's scaled to the
+    64-bit unix port), never less than the port's own 2 MB. (Without it the
+    host profile, whose max_packet_size is 1 MB, dropped a client that sent
+    a 700 KB PUBLISH: MemoryError in the port's 2 MB.)"""
+    want = int(cfg["heap_bytes"])
+    if int(cfg["word_bytes"]) == 4:
+        want = runner.unix_heap(want)
+    return str(max(UNIX_DEFAULT_HEAP, want))
+
+
 def handle(args: argparse.Namespace) -> int:
     """Check the profile and the address, start the broker and wait for it;
     returns its exit code."""
@@ -154,6 +176,8 @@ def handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         heap = None
+    elif heap is None and interpreter == "micropython":
+        heap = default_heap(checked.report.profile)
 
     data_dir = cast("Path | None", args.data_dir)
     if data_dir is None:
