@@ -712,6 +712,34 @@ def test_build_refuses_an_out_that_is_a_file_before_starting_spark(
     assert afile.read_text() == "x\n"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_build_refuses_an_out_it_cannot_write_before_starting_spark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not even root can make a directory in /proc (a chmod 0500 directory
+    would not stop root, which the tests run as): was a started Spark and a
+    traceback of hundreds of lines, exit 1."""
+    from edgebroker_tools.fleet import job, spark
+
+    def no_spark(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("Spark was started for an --out that cannot be written")
+
+    monkeypatch.setattr(spark, "session", no_spark)
+    (tmp_path / "snaps").mkdir()
+    for out, says in (("/proc/wh", "cannot create the directory in /proc: "),
+                      ("/proc/wh/deeper/", "cannot create the directory in /proc: "),
+                      ("file:///proc/wh", "cannot create the directory in /proc: "),
+                      ("/proc", "cannot write in the directory: ")):  # fmt: skip
+        args = ["--snapshots", str(tmp_path / "snaps"), "--out", out, "--no-progress"]
+        assert cli_main(["fleet", "build", *args]) == 2
+        line = _one_error_line(capsys)
+        assert f"--out {out}: {says}" in line, line
+        assert job.main(args) == 2  # the spark-submit entry
+        err = capsys.readouterr().err
+        assert err.startswith(f"fleet-job: error: --out {out}: {says}") and err.count("\n") == 1
+    assert not Path("/proc/wh").exists()
+
+
 def test_sys_rows_without_their_text_get_it_from_the_payload() -> None:
     # a writer that left payload_text null: the build reads the $SYS
     # statistics from the text, so the observations carry it

@@ -212,6 +212,26 @@ def test_bad_bridge_fails_naming_its_key(tmp_path, name, bridges, value, allowed
     assert [e for e in errors if value in e and allowed in e], r.stderr
 
 
+def _acl_profile(topic):
+    prof = json.loads((BOARDS / "host.json").read_text())
+    prof.update({"allow_anonymous": False, "users": {"a": "pw"},
+                 "acl": [{"who": "all", "access": "readwrite", "topic": topic}]})
+    return prof
+
+
+def test_acl_topic_that_is_not_a_filter_is_refused_naming_its_key(tmp_path):
+    """The broker's own acl check (lib/edgeauth.py check_acl) runs in config
+    check: was ok (exit 0), while `run` refused the same profile at start."""
+    r = config("check", str(write(tmp_path, "bad_acl", _acl_profile("home/#/x"))), check=1)
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert 'acl[0].topic = "home/#/x": must be a topic filter' in errors[0], r.stderr
+    assert "%u" in errors[0] and "%c" in errors[0]
+    # %u and %c (the user name, the client id) may stand for a whole level or part of one
+    for good in ("home/%u/#", "clients/%c/+/state", "x/u-%u/c-%c"):
+        config("check", str(write(tmp_path, "good_acl", _acl_profile(good))), check=0)
+
+
 def test_bridge_heap_code_and_flash_are_counted(tmp_path):
     """A bridge's code (lib/edgebridge.py), heap and queue file are counted:
     on the esp32 it needs ROMFS (bytecode in flash), then one plain-TCP

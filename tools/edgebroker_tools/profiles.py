@@ -1195,6 +1195,8 @@ def check_profile(
             "(the loop feeds it once a second)",
         )
 
+    if ok("acl") and not any(i.key.startswith("acl") for i in report.errors):
+        _check_acl(report, cfg)
     if ok("bridges"):
         _check_bridges(report, cfg, on)
 
@@ -1238,6 +1240,33 @@ def _check_bridges(report: Report, cfg: Profile, on: str) -> None:
         except ValueError as exc:
             key = str(exc).split(":", 1)[0]
             report.error(key, f"{exc}{on}")
+
+
+#: What an acl rule's topic may be (lib/edgeauth.py check_acl, with
+#: lib/edgebroker.py valid_filter).
+ACL_TOPIC_ALLOWED: Final = (
+    "must be a topic filter (+ and # only as a whole level, # only as the last one; "
+    "%u and %c stand for the user name and the client id)"
+)
+
+
+def _check_acl(report: Report, cfg: Profile) -> None:
+    """What the schema cannot say about the acl (a topic that is not a
+    topic filter): the broker's own check, so that no acl it would refuse at
+    start passes here."""
+    rules = cfg.get("acl")
+    if not isinstance(rules, list) or not rules:
+        return
+    try:
+        runner.lib_module("edgeauth").check_acl(list(rules))
+    except ValueError as exc:
+        key = str(exc).split(":", 1)[0]
+        m = re.fullmatch(r"acl\[([0-9]+)\]\.topic", key)
+        if m and int(m.group(1)) < len(rules) and isinstance(rules[int(m.group(1))], dict):
+            topic = rules[int(m.group(1))].get("topic")
+            report.error(key, f"{key} = {show(topic)}: {ACL_TOPIC_ALLOWED}")
+        else:
+            report.error(key, str(exc))
 
 
 def _check_code(report: Report, cfg: Profile, costs: Mapping[str, Any], on: str) -> None:

@@ -102,6 +102,7 @@ import argparse
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -110,6 +111,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from typing import Any, Final, cast
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 from pyspark import StorageLevel
@@ -1252,11 +1254,34 @@ class _Reporter:
             self._thread.join(timeout=5)
 
 
+#: A Java I/O exception's message in a failed write (the JVM's, through Py4J).
+_IO_FAILURE: Final = re.compile(
+    r"(?:java\.io\.IOException|java\.nio\.file\.\w+Exception"
+    r"|org\.apache\.hadoop\.[\w.$]*Exception): ([^\n]+)"
+)
+
+
+def _save(df: DataFrame, uri: str, name: str) -> None:
+    """df written as Parquet at uri. A write that fails for the warehouse
+    location (an I/O exception about a path under uri: no permission, no
+    space, a directory that cannot be made) is a BuildError line, not a
+    Py4J traceback; any other failure (reading the input, a bug) is raised
+    as it is."""
+    try:
+        df.write.parquet(uri)
+    except Exception as exc:  # the JVM's, through Py4J
+        where = urlsplit(uri).path or uri
+        found = next((m for m in _IO_FAILURE.finditer(str(exc)) if where in m.group(1)), None)
+        if found is None:
+            raise
+        raise BuildError(f"cannot write {uri} ({name}): {found.group(1).strip()}") from None
+
+
 def _write(df: DataFrame, uri: str, name: str) -> tuple[DataFrame, Observation]:
     """df observed for its row count (no extra pass), and written as Parquet at uri."""
     obs = Observation(name)
     observed = df.observe(obs, F.count(F.lit(1)).alias("rows"))
-    observed.write.parquet(uri)
+    _save(observed, uri, name)
     return observed, obs
 
 
@@ -1284,11 +1309,17 @@ def build(spark: SparkSession, opts: Options) -> Result:
         out = fs.qualify(opts.out)
         if not fs.is_dir(out):
             fs.mkdirs(out)  # a file there: Hadoop refuses (FileAlreadyExistsException)
+        made = fs.is_dir(out)  # a local mkdirs that fails returns false, it does not raise
     except Exception as exc:  # the JVM's: a file there, no permission, ...
         raise BuildError(
             f"--out {opts.out}: cannot be used as the warehouse directory: "
             f"{fleet_spark._reason(exc)}"
         ) from None
+    if not made:
+        raise BuildError(
+            f"--out {opts.out}: cannot be used as the warehouse directory: "
+            f"the directory {out} could not be created"
+        )
     history_ = commits(fs, out)
     last = history_[-1] if history_ else None
     cleanup(fs, out, history_[-KEEP_COMMITS:])  # what a killed build left behind
@@ -1544,10 +1575,10 @@ def _tables(
         stats.result(), opts.headroom, opts.boards, opts.min_gateways, opts.min_collections
     )  # fmt: skip
     advice_f = pool.submit(
-        lambda: (
-            spark.createDataFrame(advice, ADVICE_STRUCT)
-            .coalesce(1)
-            .write.parquet(join(tables, "limits_advice"))
+        lambda: _save(
+            spark.createDataFrame(advice, ADVICE_STRUCT).coalesce(1),
+            join(tables, "limits_advice"),
+            "limits_advice",
         )
     )
     then(state_f, "fleet_state")

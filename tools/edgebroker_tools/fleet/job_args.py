@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -145,15 +147,36 @@ def check_boards(boards: Path | None) -> Path | None:
     return boards
 
 
+def _cannot_make_dir_in(directory: Path) -> str | None:
+    """Why no directory can be made in `directory` (the OS's reason), or
+    None when one can: one is made and removed again. os.access() is not
+    enough: it says yes to root for a directory root cannot write in either
+    (/proc, a read-only mount)."""
+    try:
+        made = tempfile.mkdtemp(prefix=".edgebroker-out-check-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    with contextlib.suppress(OSError):
+        Path(made).rmdir()
+    return None
+
+
 def check_out(out: str) -> str:
-    """--out on the driver's disk (a plain path or file:// URI): a directory,
-    or one that can be made there (its nearest existing ancestor is a
-    directory); checked before Spark starts. Another scheme is checked by
-    the build (job.build: one line too)."""
+    """--out on the driver's disk (a plain path or file:// URI): a directory
+    the build can write in, or one that can be made there (its nearest
+    existing ancestor is a directory a directory can be made in); checked
+    before Spark starts. Another scheme is checked by the build (job.build:
+    one line too)."""
     if not hfs.is_local(out):
         return out
     path = Path(hfs.local_path(out)).absolute()
     if path.is_dir():
+        why = _cannot_make_dir_in(path)
+        if why is not None:
+            raise OptionError(
+                f"--out {out}: cannot write in the directory: {why} "
+                "(expected a warehouse directory the build can write in)"
+            )
         return out
     if path.exists():
         raise OptionError(
@@ -166,6 +189,12 @@ def check_out(out: str) -> str:
     if not parent.is_dir():
         raise OptionError(
             f"--out {out}: cannot create the directory: {parent} is not a directory "
+            "(expected the warehouse directory, created when missing)"
+        )
+    why = _cannot_make_dir_in(parent)
+    if why is not None:
+        raise OptionError(
+            f"--out {out}: cannot create the directory in {parent}: {why} "
             "(expected the warehouse directory, created when missing)"
         )
     return out
