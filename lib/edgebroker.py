@@ -3257,8 +3257,13 @@ class Engine:
         except MqttError as err:
             self.protocol_error(conn, err)
         except MemoryError:
-            self.close(conn, True)
             gc.collect()
+            try:
+                # 5.0: with a reason, 0x97 Quota exceeded (the heap), rather
+                # than a bare close the client cannot tell from a network fault
+                self.disconnect(conn, _RC_QUOTA, "out of heap")
+            except MemoryError:
+                self.close(conn, True)
             self.refuse("memory", "MemoryError serving %s", conn.cid)
         except Exception as err:  # a bug must not stop the broker
             self.log("error", "internal error with %s: %r", conn.cid, err)

@@ -95,6 +95,37 @@ def test_cli_run_micropython_takes_a_packet_near_max_packet_size(tmp_path, serve
                 p.wait()
 
 
+@pytest.mark.parametrize("server", ["poll", "async"])
+def test_a_memory_error_serving_a_client_is_disconnect_0x97(tmp_path, server):
+    """A 5.0 client whose PUBLISH the heap cannot take (900 KB into a 2 MB
+    MicroPython heap: within the 1 MB Maximum Packet Size, over what this
+    heap holds) gets DISCONNECT 0x97 Quota exceeded, a reason it can tell
+    from a network fault (before: a bare close), and the broker goes on."""
+    port = _free_port()
+    cmd = [str(EDGEBROKER), "run", "--port", str(port), "--interpreter", "micropython",
+           "--heap", "2m", "--server", server, "--data-dir", str(tmp_path / "d")]
+    p = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().startswith("edgebroker listening on")
+        c = RawClient(port, version=5)
+        assert c.connect("big", version=5).reason == 0
+        c.send_nowait(publish_packet("big/t", b"x" * 900000, qos=1, pid=1, version=5))
+        reason = c.expect_disconnect(10)[0]
+        assert reason == 0x97, reason
+        again = RawClient(port, version=5)
+        assert again.connect("after", version=5).reason == 0
+        again.disconnect()
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def test_micropython_broker_holds_sigint_and_stops_at_end_of_stdin(broker_factory, interp):
     """The unix port raises KeyboardInterrupt inside its signal handler and
     can deadlock its heap lock (docs/design.md, "Stopping a MicroPython
