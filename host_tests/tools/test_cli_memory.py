@@ -271,6 +271,29 @@ def test_cli_run_secrets_users_checked_like_a_profile(tmp_path):
         assert "listening" not in r.stdout
 
 
+def test_cli_run_warns_on_a_plain_text_password_in_the_secrets_file(tmp_path):
+    """A plain-text password in `run --secrets FILE` is served (as on the
+    board) with one warning naming the user and never the password, as
+    `flash` and `config check` warn (before: nothing)."""
+    sec = tmp_path / "secrets.json"
+    sec.write_text(json.dumps({"users": {"gw": "hunter22"}}))
+    port = _free_port()
+    p = subprocess.Popen([str(EDGEBROKER), "run", "--secrets", str(sec), "--port", str(port),
+                          "--data-dir", str(tmp_path / "d"), "--set", "allow_anonymous=false"],
+                         cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().startswith("edgebroker listening on")
+        c = RawClient(port, version=5)
+        assert c.connect("pw", username="gw", password=b"hunter22").reason == 0
+        c.disconnect()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(10)
+    err = p.stderr.read()
+    assert "warning: secrets file %s: users.gw: plain-text password" % sec in err, err
+    assert "hunter22" not in err
+
+
 def test_cli_run_secrets_users_and_the_profiles_together_keep_the_bound(tmp_path):
     """The secrets file's users join the profile's: 200 + 100 users pass
     the schema's 256 each alone, and are refused together in one line

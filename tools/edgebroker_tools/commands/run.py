@@ -136,6 +136,8 @@ def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
         profiles.check_merged_users(report, users, profile)
         if report.errors:
             raise CommandError(f"secrets file {path}: {report.errors[0].text}")
+        for issue in report.warnings:  # a plain-text password, as `flash` warns
+            print(f"edgebroker run: warning: secrets file {path}: {issue.text}", file=sys.stderr)
     return path.resolve()
 
 
