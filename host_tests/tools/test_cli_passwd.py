@@ -278,7 +278,10 @@ def test_an_unknown_user_is_refused_as_slowly_as_a_wrong_password(broker_factory
         c.close()
         return took
 
-    known = min(refusal("gw") for _ in range(2))
-    unknown = min(refusal("nobody") for _ in range(2))
-    assert known > 0.03, known  # the hashing is what is measured
-    assert unknown > known / 2, (known, unknown)
+    known, unknown = [], []
+    for _ in range(3):  # interleaved: a busy machine slows both alike
+        known.append(refusal("gw"))
+        unknown.append(refusal("nobody"))
+    assert min(known) > 0.03, known  # the hashing is what is measured
+    # the same work, within this machine's noise (before: about 1/200)
+    assert min(unknown) > min(known) / 4, (known, unknown)
