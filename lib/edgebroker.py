@@ -2320,12 +2320,16 @@ class Engine:
         it, the one disconnected longest is discarded (documented policy)."""
         offline = 0
         oldest = None
+        keep = self._keep
         for s in self.sessions.values():
-            if s.conn is None:
+            # a session being taken over is not offline: its new connection
+            # is here (counted, it made another session's end, acknowledged
+            # messages queued for it included, when max_sessions was not hit)
+            if s.conn is None and s is not keep:
                 offline += 1
                 if oldest is None or s.gone < oldest.gone:
                     oldest = s
-        if offline > self.cfg["max_sessions"] and oldest is not None and oldest is not self._keep:
+        if offline > self.cfg["max_sessions"] and oldest is not None:
             self.refuse("max_sessions", "session %s discarded", oldest.cid)
             self.end_session(oldest)
 
@@ -3430,12 +3434,23 @@ class Engine:
         self.deferred = keep
 
     def shutdown(self):
-        """Closes every connection (no wills: the broker stops, the clients
-        did nothing wrong), ends retained deliveries, closes the store."""
+        """Closes every connection and publishes the wills, ends retained
+        deliveries, commits and closes the store. The server closes the
+        connections without a DISCONNECT from the clients, so their wills
+        go (MQTT-3.1.2-8), and every session ends with the broker, so a
+        will still waiting for its delay goes too (3.1.3.2.2), as mosquitto
+        does: a retained will and a bridge's queue then say offline."""
+        for conn in list(self.conns):
+            self.close(conn, True)
+        try:
+            for w in self.wills:
+                self.pub_will(w[_W_MSG], w[_W_RETAIN])
+            self.wills = []
+            self.commit(True)
+        except (OSError, MemoryError) as err:
+            self.log("error", "wills at stop not kept: %r", err)
         if self.syncer is not None:
             self.syncer.stop()
-        for conn in list(self.conns):
-            self.close(conn, False)
         for sess in self.sessions.values():
             self.drop_rq(sess)  # leave no generator half-run at exit
         self.store.close()
@@ -4503,7 +4518,10 @@ class Broker:
         for ent in list(self.draining):
             self._undrain(ent)
         for conn in list(eng.conns):
-            eng.close(conn, False)
+            try:
+                eng.close(conn, True)  # their wills go: Engine.shutdown
+            except MemoryError:
+                eng.close(conn, False)  # (stopping for want of heap)
         self._release_ended()
         if self.poller is not None:
             try:

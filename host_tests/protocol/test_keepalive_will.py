@@ -352,3 +352,27 @@ def test_will_delay_longer_than_session_expiry_sent_when_session_ends_MQTT_3_1_3
     assert m.payload == b"late-wde"
     ack(w, m)
     w.disconnect()
+
+
+def test_wills_are_published_when_the_broker_stops_MQTT_3_1_2_8(broker_factory):
+    """A clean stop (SIGTERM) closes every connection without a DISCONNECT
+    from its client and ends every session: a connected client's retained
+    will and a will still waiting for its Will Delay are published and kept
+    in the store (MQTT-3.1.2-8, 3.1.3.2.2; mosquitto does the same), so a
+    device's status does not read "online" after the restart (before: no
+    will at all at a stop)."""
+    b = broker_factory(storage_type="disc")
+    requires_edgebroker(b)
+    a = raw_connect(b.port, "dev-a", version=5, will=will("st/a", b"offline", qos=1, retain=True))
+    a.publish("st/a", b"online", qos=1, retain=True)
+    d = raw_connect(b.port, "dev-d", version=5, clean=False,
+                    props=prop_u32(SESSION_EXPIRY_INTERVAL, 3600),
+                    will=will("st/d", b"offline", qos=1, retain=True,
+                              props=prop_u32(WILL_DELAY_INTERVAL, 30)))
+    d.publish("st/d", b"online", qos=1, retain=True)
+    d.close()  # its will waits 30 s
+    time.sleep(0.3)
+    b.stop()
+    b2 = broker_factory(storage_type="disc", port=b.port)
+    got = mosquitto_sub(b2.port, ["-t", "st/#", "-v"], count=2, timeout=5)
+    assert sorted(got) == ["st/a offline", "st/d offline"], got

@@ -514,6 +514,36 @@ def test_max_sessions_discards_longest_disconnected(broker_factory):
         c.disconnect()
 
 
+@pytest.mark.parametrize("clean", [False, True])
+def test_a_takeover_does_not_count_against_max_sessions(broker_factory, clean):
+    """max_sessions=2 with two sessions offline, one holding an acknowledged
+    QoS 1 message: a connected persistent client taken over by a new
+    connection (a reconnect after a NAT drop) is not an offline session,
+    so nothing is discarded: the other sessions resume, the message is
+    delivered (before: the session disconnected longest was discarded,
+    its acknowledged message lost)."""
+    b = broker_factory(max_sessions=2)
+    requires_edgebroker(b)
+    for cid in ("tkx", "tky"):
+        c = persistent(b.port, cid, 5)
+        assert c.subscribe([("tk/" + cid, 1)]) == [1]
+        c.disconnect()
+        time.sleep(1.05)  # distinct disconnect times (1 s clock on boards)
+    p = raw_connect(b.port, "tk-pub", version=5)
+    p.publish("tk/tkx", b"for x", qos=1)
+    t = persistent(b.port, "tkt", 5)
+    t2 = persistent(b.port, "tkt", 5) if not clean else raw_connect(
+        b.port, "tkt", version=5, clean=True, props=prop_u32(SESSION_EXPIRY_INTERVAL, 60))
+    x = persistent(b.port, "tkx", 5)
+    assert x.connack.session_present, "a session was discarded below max_sessions"
+    m = x.expect_publish(3)
+    assert m.payload == b"for x"
+    x.send(puback(m.pid))
+    for c in (x, t2, p):
+        c.disconnect()
+    t.close()
+
+
 def test_takeover_clean_start_publishes_old_will_MQTT_3_1_3_9(broker):
     """5.0 3.1.3.2.2: on takeover the Will of the exited connection is sent
     unless the new connection has Clean Start 0 and the Will Delay > 0."""
