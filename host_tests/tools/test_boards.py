@@ -232,6 +232,21 @@ def test_acl_topic_that_is_not_a_filter_is_refused_naming_its_key(tmp_path):
         config("check", str(write(tmp_path, "good_acl", _acl_profile(good))), check=0)
 
 
+@pytest.mark.parametrize("value, says", [("TopSecret-" + "x" * 300, "<310 bytes, not shown>"),
+                                         (987654321, "<integer, not shown>")])
+def test_a_bad_password_value_is_refused_without_repeating_it(tmp_path, value, says):
+    """A bridge password over its 256 bytes, or not a string, is refused in
+    one line naming the key and what is allowed, never the password itself
+    (it would land in terminals and CI logs; before: repeated in full)."""
+    prof = esp32()
+    prof["romfs"] = True
+    prof["bridges"] = [dict(BRIDGE, password=value)]
+    r = config("check", str(write(tmp_path, "pw", prof)), check=1)
+    errors = [line for line in r.stderr.splitlines() if line.strip().startswith("error:")]
+    assert len(errors) == 1 and "bridges[0].password = " + says in errors[0], r.stderr
+    assert "TopSecret" not in r.stderr + r.stdout and "987654321" not in r.stderr + r.stdout
+
+
 def test_bridge_heap_code_and_flash_are_counted(tmp_path):
     """A bridge's code (lib/edgebridge.py), heap and queue file are counted:
     on the esp32 it needs ROMFS (bytecode in flash), then one plain-TCP

@@ -451,10 +451,27 @@ def _unit(sub: Mapping[str, Any]) -> str:
     return ""
 
 
+def secret_key(key: str) -> bool:
+    """A key whose value is a credential: a password of any kind (a
+    bridge's, the Wi-Fi's, the access point's) or a users entry."""
+    last = key.rsplit(".", 1)[-1]
+    return "password" in last or key.startswith("users.")
+
+
+def show_secret(key: str, value: Any) -> str:
+    """show(value), except for a credential: its size or type only, so that
+    an error line never repeats a password."""
+    if not secret_key(key):
+        return show(value)
+    if isinstance(value, str):
+        return f"<{len(value.encode('utf-8'))} bytes, not shown>"
+    return f"<{_jtype(value)}, not shown>"
+
+
 def validate_value(key: str, value: Any, sub: Mapping[str, Any]) -> list[Issue]:
     """Schema checks for one key; every failure is its own Issue."""
     issues: list[Issue] = []
-    shown = f"{key} = {show(value)}"
+    shown = f"{key} = {show_secret(key, value)}"
     want = sub.get("type")
     if isinstance(want, str) and not _type_ok(value, want):
         issues.append(Issue(key, f"{shown}: must be {_allowed(want, sub)}, not {_jtype(value)}"))
