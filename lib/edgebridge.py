@@ -1772,9 +1772,12 @@ class Bridge:
     async def _tls(self, aio, s, deadline):
         """TLS over the connected socket, the upstream verified against the
         profile's CA. CPython: a non-blocking handshake driven by the event
-        loop. MicroPython: its ssl module has no do_handshake(), so the
-        handshake is one blocking call bounded by connect_timeout (local
-        clients wait meanwhile: README, Bridge to the cloud)."""
+        loop. MicroPython: its ssl module has no do_handshake(); the
+        handshake is deferred to the first reads and writes of the CONNECT
+        exchange on the non-blocking socket (do_handshake_on_connect False),
+        so it runs on the event loop within that exchange's connect_timeout.
+        (A blocking wrap_socket was bounded per read only: an upstream that
+        sent its handshake a byte at a time held the whole broker.)"""
         import ssl
 
         t = self.c["tls"]
@@ -1786,14 +1789,7 @@ class Bridge:
             ctx.load_verify_locations(cadata=eb._der(t["ca"]))
             if t.get("cert"):
                 ctx.load_cert_chain(eb._der(t["cert"]), eb._der(t.get("key") or t["cert"]))
-            s.setblocking(True)
-            try:
-                s.settimeout(max(1, deadline - self.broker.clock()))
-            except (AttributeError, OSError):
-                pass
-            ss = ctx.wrap_socket(s, server_hostname=name)
-            ss.setblocking(False)
-            return ss
+            return ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
         ctx.load_verify_locations(cafile=t["ca"])
         if t.get("cert"):
             ctx.load_cert_chain(t["cert"], t.get("key"))

@@ -1100,6 +1100,74 @@ def test_tls_with_the_wrong_ca_never_connects(broker_factory, upstream, tmp_path
 
 
 @ASYNC
+def test_a_tls_upstream_that_trickles_its_handshake_never_holds_the_broker(broker_factory,
+                                                                          tmp_path):
+    """An upstream that accepts the connection and then sends its TLS
+    handshake a byte every 0.3 s (a record header announcing 16 KB first):
+    the attempt ends within connect_timeout, and local clients are served
+    all the while (before, on MicroPython: the blocking wrap_socket was
+    bounded per read only, so the whole broker stalled for as long as the
+    bytes kept coming)."""
+    import socket
+    import threading
+
+    from mqtt_helpers import paho_client
+
+    certs = make_certs(tmp_path / "certs")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def trickle():
+        conns = []
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            threading.Thread(target=drip, args=(c,), daemon=True).start()
+        for c in conns:
+            c.close()
+
+    def drip(c):
+        data = b"\x16\x03\x03\x40\x00" + bytes(16384)
+        for i in range(len(data)):
+            if stop.wait(0.3):
+                return
+            try:
+                c.send(data[i:i + 1])
+            except OSError:
+                return
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        gw = gateway(broker_factory, [bridge(srv.getsockname()[1], OUT, connect_timeout=2, tls={
+            "ca": str(certs / "ca.pem"), "server_hostname": "localhost"})])
+        time.sleep(1.0)  # the first attempt is under way
+        local = paho_client(gw.port, "local-while-tls")
+        local.subscribe_wait("probe/#", qos=1)
+        worst = 0.0
+        deadline = time.monotonic() + 6
+        i = 0
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            local.publish_wait("probe/x", b"%d" % i, qos=1, timeout=10)
+            worst = max(worst, time.monotonic() - t0)
+            i += 1
+            time.sleep(0.05)
+        local.close()
+        assert worst < 1.5, "a local publish waited %.1f s for the bridge's handshake" % worst
+        assert gw.wait_log("bridge cloud: link down", 5), gw.log_text()[-2000:]
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
+@ASYNC
 def test_mqtt_311_link_forwards_both_ways_without_echo(broker_factory, upstream, collector):
     """protocol 4 (MQTT 3.1.1 upstream): forwarding out and in works; with
     no No Local in 3.1.1, a `both` topic's own message coming back from the
