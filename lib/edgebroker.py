@@ -3640,14 +3640,19 @@ class Engine:
                     # append that ran out of heap): no MemoryError stalls it
                     self.busy.append(sess)
             elif sess.queue:
+                # MQTT-3.3.2-5: an offline session's expired messages are
+                # deleted, wherever they are in its queue, so that they do
+                # not hold places a live message would lose (drop oldest)
                 q = sess.queue
-                while q:
-                    m = q_msg(q[0])
-                    if not m[_M_EXP] or m[_M_EXP] > now:
-                        break
-                    q.pop(0)
-                    sess.qbytes -= msg_size(m)
-                    self.qtotal -= 1
+                j = 0
+                while j < len(q):
+                    m = q_msg(q[j])
+                    if m[_M_EXP] and m[_M_EXP] <= now:
+                        q.pop(j)
+                        sess.qbytes -= msg_size(m)
+                        self.qtotal -= 1
+                    else:
+                        j += 1
         try:
             if self.store.expire(now, 64) and self.store.durable:
                 self.sdirty = True

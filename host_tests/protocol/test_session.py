@@ -544,6 +544,35 @@ def test_a_takeover_does_not_count_against_max_sessions(broker_factory, clean):
     t.close()
 
 
+def test_expired_queued_messages_hold_no_place_in_an_offline_queue_MQTT_3_3_2_5(broker_factory):
+    """max_queued=3, the subscriber offline: A (no expiry), then B and C
+    with a 1 s Message Expiry; 2.5 s later D. B and C are deleted once
+    expired (MQTT-3.3.2-5), wherever they are in the queue, so D takes a
+    free place and A, acknowledged to its publisher, is kept: the resumed
+    subscriber gets A and D (before: A was dropped as the oldest while the
+    expired B and C kept their places until delivery was tried)."""
+    b = broker_factory(max_queued=3)
+    requires_edgebroker(b)
+    c = persistent(b.port, "eq-sub", 5)
+    assert c.subscribe([("eq/#", 1)]) == [1]
+    c.disconnect()
+    p = raw_connect(b.port, "eq-pub", version=5)
+    p.publish("eq/t", b"A", qos=1)
+    for i, pl in enumerate((b"B", b"C")):
+        p.publish("eq/t", pl, qos=1, pid=2 + i, props=prop_u32(0x02, 1))
+    time.sleep(2.5)
+    p.publish("eq/t", b"D", qos=1, pid=4)
+    p.disconnect()
+    c = persistent(b.port, "eq-sub", 5)
+    got = []
+    for _ in range(2):
+        m = c.expect_publish(3)
+        got.append(m.payload)
+        c.send(puback(m.pid))
+    assert got == [b"A", b"D"] and c.no_publish(0.5), got
+    c.disconnect()
+
+
 def test_takeover_clean_start_publishes_old_will_MQTT_3_1_3_9(broker):
     """5.0 3.1.3.2.2: on takeover the Will of the exited connection is sent
     unless the new connection has Clean Start 0 and the Will Delay > 0."""
