@@ -1784,15 +1784,24 @@ class Bridge:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.verify_mode = ssl.CERT_REQUIRED
         name = t.get("server_hostname") or self.c["host"]
-        if not hasattr(ssl, "SSLWantReadError"):  # MicroPython
-            # its mbedtls may be built without PEM: DER from the files
-            ctx.load_verify_locations(cadata=eb._der(t["ca"]))
-            if t.get("cert"):
-                ctx.load_cert_chain(eb._der(t["cert"]), eb._der(t.get("key") or t["cert"]))
+        mp = not hasattr(ssl, "SSLWantReadError")  # MicroPython
+        try:
+            if mp:
+                # its mbedtls may be built without PEM: DER from the files
+                ctx.load_verify_locations(cadata=eb._der(t["ca"]))
+                if t.get("cert"):
+                    ctx.load_cert_chain(eb._der(t["cert"]), eb._der(t.get("key") or t["cert"]))
+            else:
+                ctx.load_verify_locations(cafile=t["ca"])
+                if t.get("cert"):
+                    ctx.load_cert_chain(t["cert"], t.get("key"))
+        except (OSError, ValueError) as e:
+            # a file tls names that cannot be read or used: named (a bare
+            # OSError(2,) said nothing), retried with backoff as any fault
+            files = t["ca"] + " " + (t.get("cert") or "")
+            raise _Down("tls: cannot load %s: %r" % (files, e)) from None
+        if mp:
             return ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
-        ctx.load_verify_locations(cafile=t["ca"])
-        if t.get("cert"):
-            ctx.load_cert_chain(t["cert"], t.get("key"))
         ss = ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
         while True:
             try:
@@ -1803,9 +1812,12 @@ class Bridge:
             except ssl.SSLWantWriteError:
                 w = True
             left = deadline - self.broker.clock()
-            if left <= 0:
-                raise _Down("TLS handshake over connect_timeout")
-            await aio.wait_for(_wait_io(ss, w), left)
+            try:
+                if left <= 0:
+                    raise aio.TimeoutError()
+                await aio.wait_for(_wait_io(ss, w), left)
+            except aio.TimeoutError:
+                raise _Down("TLS handshake over connect_timeout") from None
 
     def _flush(self):
         o = self.out

@@ -1100,6 +1100,26 @@ def test_tls_with_the_wrong_ca_never_connects(broker_factory, upstream, tmp_path
 
 
 @ASYNC
+def test_a_tls_file_that_cannot_be_read_is_named_in_the_log(broker_factory, upstream, tmp_path):
+    """tls.ca names a file the gateway does not have: each attempt fails
+    with a line naming it (before: `OSError(2,)` on MicroPython, naming
+    nothing), the link retries, and local clients are served."""
+    import socket
+
+    missing = str(tmp_path / "no-such-ca.pem")
+    srv = socket.socket()  # takes the TCP connection (the kernel's backlog)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    try:
+        gw = gateway(broker_factory, [bridge(srv.getsockname()[1], OUT, tls={"ca": missing})])
+        assert gw.wait_log("tls: cannot load " + missing, 15), gw.log_text()[-2000:]
+        publish_many(gw.port, [("sensors/x", b"1")])
+        assert bridge_state(gw.port)["backlog"] == 1
+    finally:
+        srv.close()
+
+
+@ASYNC
 def test_a_tls_upstream_that_trickles_its_handshake_never_holds_the_broker(broker_factory,
                                                                           tmp_path):
     """An upstream that accepts the connection and then sends its TLS
