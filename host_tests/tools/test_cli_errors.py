@@ -254,6 +254,27 @@ def test_flash_secrets_unknown_key_and_wrong_type(tmp_path):
     assert not (tmp_path / "dist").exists()
 
 
+def test_flash_secrets_bridge_password_held_to_the_profiles_bound(tmp_path):
+    """A bridge password from the secrets file is held to the bound the
+    profile's own is held to (256 bytes), and the line does not repeat it
+    (before: a 300-byte one passed, while the same value in the profile was
+    refused)."""
+    prof = json.loads((REPO / "boards" / "esp32.json").read_text())
+    prof.update(romfs=True, bridges=[{"name": "cloud", "host": "mqtt.example.com",
+                                      "queue_bytes": 65536, "latest_topics": 16,
+                                      "topics": [{"pattern": "sensors/#"}]}])
+    pf = tmp_path / "bridged.json"
+    pf.write_text(json.dumps(prof))
+    secrets = tmp_path / "s.json"
+    secrets.write_text(json.dumps({"bridges": {"cloud": {"username": "gw",
+                                                         "password": "Sx" * 150}}}))
+    r = edgebroker("flash", str(pf), "--port", str(tmp_path / "ttyUSB9"), "--secrets",
+                   str(secrets), "--dist", str(tmp_path / "dist"))
+    line = one_line_error(r, "flash")
+    assert "bridges[0].password = <300 bytes, not shown>: must be at most 256 bytes" in line
+    assert "SxSx" not in r.stderr + r.stdout
+
+
 @pytest.mark.parametrize("content,says", [
     (b"\xff\xfe{}", "is not UTF-8 text"),
     (('{"wifi_ssid": %s}' % DEEP).encode(), "wifi_ssid = [[[["),

@@ -1456,9 +1456,19 @@ def check_secret_bridges(secrets: Any, profile: Mapping[str, Any]) -> str | None
     it is wrong, else None."""
     edgebroker = runner.lib_module("edgebroker")
     try:
-        edgebroker.with_secrets(dict(profile), {"bridges": secrets.get("bridges")})
+        merged = edgebroker.with_secrets(dict(profile), {"bridges": secrets.get("bridges")})
     except ValueError as exc:
         return str(exc).removeprefix("secrets ")
+    # the merged credentials are held to the profile's own bounds (a
+    # password over the schema's 256 bytes passed here, and not in a profile)
+    item = load_schema()["properties"]["bridges"]["items"]["properties"]
+    bridges = merged.get("bridges") if isinstance(merged, dict) else None
+    for i, b in enumerate(bridges if isinstance(bridges, list) else []):
+        for k in ("username", "password"):
+            if isinstance(b, dict) and k in b and k in item:
+                issues = validate_value(f"bridges[{i}].{k}", b[k], item[k])
+                if issues:
+                    return issues[0].text
     return None
 
 
