@@ -4,6 +4,7 @@ MicroPython refuses new connections with 0x97 / rc 3 while the broker stays
 up, and it accepts again once memory is back (MicroPython's own asyncio
 start_server accept task dies for good on one MemoryError; ours must not)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -62,6 +63,27 @@ def test_cli_run_serves_and_stops_cleanly(interp, tmp_path, sig):
             p.wait()
 
 
+@contextlib.contextmanager
+def _cli_broker(tmp_path, *args):
+    """`edgebroker run` with args, started here and ended by its PID
+    (SIGTERM, then kill); yields (port, process) once it listens."""
+    port = _free_port()
+    cmd = [str(EDGEBROKER), "run", "--port", str(port), "--data-dir", str(tmp_path / "d"), *args]
+    p = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().startswith("edgebroker listening on")
+        yield port, p
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize("server", ["poll", "async"])
 def test_cli_run_micropython_takes_a_packet_near_max_packet_size(tmp_path, server):
     """`run --interpreter micropython` without --heap gives the port the
@@ -69,13 +91,7 @@ def test_cli_run_micropython_takes_a_packet_near_max_packet_size(tmp_path, serve
     that keeps to the CONNACK's Maximum Packet Size (the host profile's
     1 MB) is served: a 900 KB QoS 1 PUBLISH is acknowledged and delivered
     (before: the port's default 2 MB, MemoryError, connection dropped)."""
-    port = _free_port()
-    cmd = [str(EDGEBROKER), "run", "--port", str(port), "--interpreter", "micropython",
-           "--server", server, "--data-dir", str(tmp_path / "d")]
-    p = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().startswith("edgebroker listening on")
+    with _cli_broker(tmp_path, "--interpreter", "micropython", "--server", server) as (port, p):
         big = bytes(range(256)) * (900 * 1024 // 256)
         sub = paho_client(port, "big-sub")
         sub.subscribe_wait("big/#", qos=1)
@@ -85,14 +101,6 @@ def test_cli_run_micropython_takes_a_packet_near_max_packet_size(tmp_path, serve
         assert sub.get_messages()[0].payload == big
         pub.close()
         sub.close()
-    finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 @pytest.mark.parametrize("server", ["poll", "async"])
@@ -101,13 +109,8 @@ def test_a_memory_error_serving_a_client_is_disconnect_0x97(tmp_path, server):
     MicroPython heap: within the 1 MB Maximum Packet Size, over what this
     heap holds) gets DISCONNECT 0x97 Quota exceeded, a reason it can tell
     from a network fault (before: a bare close), and the broker goes on."""
-    port = _free_port()
-    cmd = [str(EDGEBROKER), "run", "--port", str(port), "--interpreter", "micropython",
-           "--heap", "2m", "--server", server, "--data-dir", str(tmp_path / "d")]
-    p = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().startswith("edgebroker listening on")
+    with _cli_broker(tmp_path, "--interpreter", "micropython", "--heap", "2m",
+                     "--server", server) as (port, _):
         c = RawClient(port, version=5)
         assert c.connect("big", version=5).reason == 0
         c.send_nowait(publish_packet("big/t", b"x" * 900000, qos=1, pid=1, version=5))
@@ -116,14 +119,6 @@ def test_a_memory_error_serving_a_client_is_disconnect_0x97(tmp_path, server):
         again = RawClient(port, version=5)
         assert again.connect("after", version=5).reason == 0
         again.disconnect()
-    finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def test_micropython_broker_holds_sigint_and_stops_at_end_of_stdin(broker_factory, interp):
@@ -277,18 +272,10 @@ def test_cli_run_warns_on_a_plain_text_password_in_the_secrets_file(tmp_path):
     `flash` and `config check` warn (before: nothing)."""
     sec = tmp_path / "secrets.json"
     sec.write_text(json.dumps({"users": {"gw": "hunter22"}}))
-    port = _free_port()
-    p = subprocess.Popen([str(EDGEBROKER), "run", "--secrets", str(sec), "--port", str(port),
-                          "--data-dir", str(tmp_path / "d"), "--set", "allow_anonymous=false"],
-                         cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().startswith("edgebroker listening on")
+    with _cli_broker(tmp_path, "--secrets", str(sec), "--set", "allow_anonymous=false") as (port, p):
         c = RawClient(port, version=5)
         assert c.connect("pw", username="gw", password=b"hunter22").reason == 0
         c.disconnect()
-    finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(10)
     err = p.stderr.read()
     assert "warning: secrets file %s: users.gw: plain-text password" % sec in err, err
     assert "hunter22" not in err
