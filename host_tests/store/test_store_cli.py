@@ -115,6 +115,10 @@ def test_inspect_text() -> None:
 def test_missing_file_is_a_usage_error() -> None:
     r = cli("check", str(DATA / "no-such.ebrs"))
     assert r.returncode == 2 and "no such store file" in r.stderr
+    # a directory (the data directory itself) is said to be one, naming
+    # the files it may hold (before: "no such store file", misleading)
+    r = cli("inspect", str(DATA))
+    assert r.returncode == 2 and "is a directory: give a store file in it" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------

@@ -49,6 +49,10 @@ EXIT_DAMAGED: Final = 1
 
 def read_report(path: Path, now: float | None) -> Report:
     """store_report.inspect() of a store file, or a CommandError."""
+    if path.is_dir():
+        raise CommandError(
+            f"{path} is a directory: give a store file in it (retained.ebrs, bridge-<name>.ebrq)"
+        )
     if not path.is_file():
         raise CommandError(f"no such store file: {path}")
     edgestore = load_edgestore()
