@@ -1550,10 +1550,9 @@ class Bridge:
             self.rwait = [e for e in self.inflight + self.linf if e[_I_ACK] != 1]
             self._resends()
         else:
-            # the inbound QoS 2 ids we took belong to the session: kept over
+            # (the inbound QoS 2 ids we took belong to the session: kept over
             # a reconnect that resumes it, so a resent PUBLISH (DUP) is not
-            # published twice (4.3.3), cleared with it
-            self.in2 = {}
+            # published twice, 4.3.3; cleared with it at the CONNACK)
             if self.q.rel:
                 # QoS 2 messages past PUBREC: the exchange died with the
                 # session, so they go again as PUBLISH (at least once: the
@@ -1988,6 +1987,14 @@ class Bridge:
             if self.v5 and end - i > 2:
                 props, _, _ = eb.read_props(b, i + 2, end)
             self.connack = (b[i] & 1, b[i + 1], props)
+            if not b[i] & 1 and not b[i + 1]:
+                # a new upstream session: the inbound QoS 2 ids we took were
+                # the old one's. Cleared here, before the packets that
+                # follow the CONNACK in this read (a PUBLISH the upstream
+                # sent at once), not in _connected() after them: that
+                # cleared the id of a QoS 2 PUBLISH just taken, and its
+                # resend after a reconnect was published again (4.3.3)
+                self.in2 = {}
         elif t == 14:
             raise _Down("DISCONNECT 0x%02x from upstream" % (b[i] if end > i else 0))
         elif t == 9:  # SUBACK
