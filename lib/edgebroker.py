@@ -3556,7 +3556,12 @@ class Engine:
             props["message_expiry_interval"] = int(msg[_M_EXP] - self.now_s + 0.999)
         self.in_cb = True
         try:
-            cb(msg[_M_TB].decode(), msg[_M_PAYLOAD], bool(retain), props)
+            r = cb(msg[_M_TB].decode(), msg[_M_PAYLOAD], bool(retain), props)
+            if r is not None and hasattr(r, "send"):
+                # an async def: its coroutine would never run (nothing awaits
+                # it). Said and counted, not silent
+                r.close()
+                raise TypeError("callback is async def: give a plain function")
         except Exception as err:
             self.app_errors += 1
             self.log("error", "local subscriber %s raised %r", sess.cid, err)

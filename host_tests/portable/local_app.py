@@ -14,7 +14,8 @@
 #     {"id": n, "op": "subscribe", "filter", "qos", "tag", "raise": bool}
 #       every message the callback gets is reported on app/seen/<tag>
 #       (topic, payload hex, retained, properties); "raise" makes it raise
-#       "count": true instead counts them (the "stats" answer has them)
+#       "count": true instead counts them (the "stats" answer has them);
+#       "async": true gives an async def callback (a mistake: never awaited)
 #     {"id": n, "op": "burst", "topic", "n", "qos"}: a task of the app's own
 #       publishes n messages without awaiting in between (asyncio server)
 #     {"id": n, "op": "stats"}
@@ -104,6 +105,9 @@ class Api:
         if op == "subscribe":
             if c.get("count"):
                 cb = self.counter(c.get("tag", "t"))
+            elif c.get("async"):
+                async def cb(topic, payload, retained, props):  # the user's mistake
+                    pass
             elif c.get("no_callback"):
                 cb = None
             else:

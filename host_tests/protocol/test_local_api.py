@@ -187,6 +187,24 @@ def test_raising_callback_is_logged_other_local_and_network_subscribers_served(b
         app.close()
 
 
+def test_an_async_def_callback_is_an_error_said_and_counted(broker_factory):
+    """subscribe() with an `async def` callback: calling it makes a coroutine
+    that nothing would await, so the message would vanish silently (before:
+    not even counted). It is logged naming the mistake and counted in
+    app_errors, like a callback that raises; the broker goes on."""
+    b, app = start_app(broker_factory)
+    pub = paho_client(b.port, "co-pub")
+    try:
+        assert app.do(op="subscribe", filter="co/#", tag="co", **{"async": True}) == {"ok": True}
+        pub.publish_wait("co/x", b"1", qos=1)
+        assert b.wait_log("callback is async def", 5), b.log_text()[-2000:]
+        assert app.do(op="stats")["ok"]["app_errors"] == 1
+        assert b.alive()
+    finally:
+        pub.close()
+        app.close()
+
+
 def test_retained_local_publish_on_disc_is_on_disk_when_publish_returns(broker_factory):
     """storage_type disc: a retained broker.publish() returns after the
     store commit. The application opens the store file a second time right
