@@ -1799,9 +1799,9 @@ class Bridge:
             # OSError(2,) said nothing), retried with backoff as any fault
             files = t["ca"] + " " + (t.get("cert") or "")
             raise _Down("tls: cannot load %s: %r" % (files, e)) from None
-        if mp:
-            return ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
         ss = ctx.wrap_socket(s, server_hostname=name, do_handshake_on_connect=False)
+        if mp:
+            return ss
         while True:
             try:
                 ss.do_handshake()

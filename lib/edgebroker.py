@@ -2295,9 +2295,7 @@ class Engine:
             # its refusal takes a known user's hashing time, so that the
             # delay of the answer does not tell which names exist
             if users:
-                for want in users.values():
-                    self.auth.check_password(want, pw or b"")
-                    break
+                self.auth.check_password(next(iter(users.values())), pw or b"")
                 return False
             return bool(self.cfg["allow_anonymous"])
         if pw is None:
@@ -3541,9 +3539,10 @@ class Engine:
             # there) it and the rest run at the next turn, first
             self.localq = _unfinished(q, i, self.localq)
             raise
-        for ent in q:
-            if ent[0].hw:
-                self.unmark(ent[0])  # taken: the publishers it held go on
+        if self.congested:
+            for ent in q:
+                if ent[0].hw:
+                    self.unmark(ent[0])  # taken: the publishers it held go on
 
     def call_local(self, sess, msg, retain):
         cb = sess.cb
@@ -3646,8 +3645,9 @@ class Engine:
                     self.busy.append(sess)
             elif sess.queue:
                 # MQTT-3.3.2-5: an offline session's expired messages are
-                # deleted, wherever they are in its queue, so that they do
-                # not hold places a live message would lose (drop oldest)
+                # deleted: from the head, and from anywhere in a full queue,
+                # where they would hold places a live message would lose
+                # (drop oldest); a queue with room is not walked every second
                 q = sess.queue
                 j = 0
                 while j < len(q):
@@ -3656,6 +3656,8 @@ class Engine:
                         q.pop(j)
                         sess.qbytes -= msg_size(m)
                         self.qtotal -= 1
+                    elif len(q) < self.max_queued:
+                        break
                     else:
                         j += 1
         try:

@@ -538,6 +538,24 @@ def read_secrets(path: Path) -> dict[str, Any]:
     return data
 
 
+def check_secret_credentials(
+    path: Path, data: dict[str, Any], profile: profiles.Profile
+) -> list[str]:
+    """A secrets file's bridge credentials and users against the profile
+    they are merged into (the broker's with_secrets, the gateway's boot):
+    the profile's rules apply. An error is a CommandError in one line
+    naming the key; the warnings (a plain-text password) are returned."""
+    problem = profiles.check_secret_bridges(data, profile)
+    if problem:
+        raise CommandError(f"secrets file {path}: {problem}")
+    users = profiles.Report(str(path), {})
+    profiles.check_users(users, data.get("users"), "users")
+    profiles.check_merged_users(users, data.get("users"), profile)
+    if users.errors:
+        raise CommandError(f"secrets file {path}: " + "; ".join(i.text for i in users.errors))
+    return [i.text for i in users.warnings]
+
+
 def check_secrets(path: Path, target: build.Target) -> list[str]:
     """Read the secrets file (a JSON object); warnings for missing keys."""
     data = read_secrets(path)
@@ -547,16 +565,7 @@ def check_secrets(path: Path, target: build.Target) -> list[str]:
         warnings.append(f'{path} has no "ap_password" of 8+ characters: wifi_mode "ap" needs one')
     if mode != "ap" and not data.get("wifi_ssid"):
         warnings.append(f'{path} has no "wifi_ssid": the board will not join a network')
-    problem = profiles.check_secret_bridges(data, target.profile)
-    if problem:
-        raise CommandError(f"secrets file {path}: {problem}")
-    # the gateway merges these users into the profile: the profile's rules apply
-    users = profiles.Report(target.name, {})
-    profiles.check_users(users, data.get("users"), "users")
-    profiles.check_merged_users(users, data.get("users"), target.profile)
-    if users.errors:
-        raise CommandError(f"secrets file {path}: " + "; ".join(i.text for i in users.errors))
-    warnings += [i.text for i in users.warnings]
+    warnings += check_secret_credentials(path, data, target.profile)
     if data.get("users") and not profiles.needs_auth(target.profile):
         # the build ships edgeauth only for a profile that authenticates:
         # without it the board would stop at boot with an ImportError

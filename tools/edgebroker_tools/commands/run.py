@@ -123,21 +123,11 @@ def _secrets(path: Path | None, profile: dict[str, object]) -> Path | None:
     (edgebroker.with_secrets)."""
     if path is None:
         return None
-    from edgebroker_tools.commands.flash import read_secrets
+    from edgebroker_tools.commands.flash import check_secret_credentials, read_secrets
 
-    secrets = read_secrets(path)
-    problem = profiles.check_secret_bridges(secrets, profile)
-    if problem:
-        raise CommandError(f"secrets file {path}: {problem}")
-    users = secrets.get("users")  # its keys and types checked by read_secrets
-    if isinstance(users, dict):
-        report = profiles.Report(str(path), {})
-        profiles.check_users(report, users, "users")
-        profiles.check_merged_users(report, users, profile)
-        if report.errors:
-            raise CommandError(f"secrets file {path}: {report.errors[0].text}")
-        for issue in report.warnings:  # a plain-text password, as `flash` warns
-            print(f"edgebroker run: warning: secrets file {path}: {issue.text}", file=sys.stderr)
+    for warning in check_secret_credentials(path, read_secrets(path), profile):
+        # a plain-text password, as `flash` warns
+        print(f"edgebroker run: warning: secrets file {path}: {warning}", file=sys.stderr)
     return path.resolve()
 
 
