@@ -13,7 +13,9 @@
 #
 # ------------------------------------------------------------------ FORMAT
 # <data_dir>/bridge-<name>.ebrq, big-endian, edgestore's conventions:
-#   header   45 42 52 51 "EBRQ" | 01 version | 00 00 00 reserved
+#   header   45 42 52 51 "EBRQ" | 01 version | flags (1: 0x01 the "K" rule
+#            below holds; files written before it have 00, and a reader
+#            that knows only the version still reads them) | 00 00 reserved
 #   records  type (1) | length (4) | body | crc (4, CRC-32 of type+length+body)
 #     "M" 0x4D message: seq (4, its number: the upstream packet id is
 #              seq % 65000 + 1, the same in every run) |
@@ -27,12 +29,22 @@
 #              upstream; every "M" before it was acknowledged (PUBACK, or
 #              PUBCOMP for QoS 2) | next seq (4). The last "K" wins. A
 #              new file's first commit (the retained sync) ends with one:
-#              a file without any is new, its sync is done again.
+#              a file with flag 0x01 and without any "K" is new, its sync is
+#              done again (without the flag, a file made before the rule: a
+#              backlog never acknowledged has no "K" either, and its sync was
+#              done).
 #     "R" 0x52 released: seq (4) of a QoS 2 message the upstream answered
 #              with PUBREC, written and fsynced before our PUBREL leaves: after
 #              a restart it gets PUBREL again, never a second PUBLISH
 #              (exactly once with the upstream's persistent session).
-#   Any other type is skipped (length-prefixed). Append only.
+#              An empty "R": the upstream lost our session, every earlier
+#              "R" is void. Those are also rewritten in place as "r" 0x72
+#              (same length), which no reader acts on: a reader older than
+#              the empty "R" (a firmware rolled back) would take them as
+#              valid and send a PUBREL for a message the upstream never got.
+#   Any other type is skipped (length-prefixed). Append only, but for that.
+#   A newer version's file is left as it is and its bridge does not run
+#   (a firmware rolled back; the newer one reads it again).
 #
 # ------------------------------------------------------------ DURABILITY
 # put() appends to a RAM write buffer while the engine routes a PUBLISH;
@@ -93,10 +105,11 @@ _rename = getattr(os, "replace", os.rename)
 
 MAGIC = b"EBRQ"
 VERSION = 1
-HEADER = b"EBRQ\x01\x00\x00\x00"
+HEADER = b"EBRQ\x01\x01\x00\x00"
 T_MSG = const(0x4D)
 T_CURSOR = const(0x4B)
 T_REL = const(0x52)
+T_VOID = const(0x72)  # an "R" made void in place (new_session)
 _PIDS = const(65000)  # queue packet ids 1..65000; the link's own above
 F_RETAIN = const(1)
 F_EXP = const(2)
@@ -376,6 +389,12 @@ class Queue:
             return
         f = open(path, "r+b")
         head = f.read(_HDR)
+        if head[:4] == MAGIC and head[4] > VERSION:
+            f.close()
+            raise ValueError(
+                "bridge queue %s: format version %d is newer than this firmware's (%d): "
+                "left as it is, the bridge does not run" % (path, head[4], VERSION)
+            )
         if head[:4] != MAGIC or head[4] != VERSION:
             f.close()
             self._log(
@@ -417,11 +436,14 @@ class Queue:
         # ends with a cursor record in its commit: a file without one was
         # made by a run whose first commit never got through whole (a power
         # cut tore it, or none came), so the sync is done again (its copies
-        # are retained messages: one sent twice is the same state)
-        self.created = not mark
+        # are retained messages: one sent twice is the same state). Not a
+        # file made before that rule (no flag): its sync was done, and doing
+        # it again after its backlog could push that out of a full queue
+        rule = head[5] & 1
+        self.created = not mark and rule == 1
         if torn:
             self._log("warning", "bridge queue %s: torn tail at %d ignored" % (path, pos))
-            self.compact(mark)
+            self.compact(mark or not rule)  # the copy has the flag
 
     def _count(self):
         n = 0
@@ -631,7 +653,22 @@ class Queue:
 
     def new_session(self):
         # an empty "R" record: the upstream session the earlier "R"s were
-        # part of is gone (read by _count, and by store inspect)
+        # part of is gone (read by _count, and by store inspect). The
+        # earlier ones are made void in place first (FORMAT): the empty
+        # "R" alone is lost on a reader that predates it
+        if self.rel:
+            self.commit(True)
+            f = self.f
+            pos = self.cursor
+            while pos < self.fend:
+                rt, body, nxt = read_record(f, pos, self.fend)
+                if rt is None:
+                    break
+                if rt == T_REL and len(body) == 4:
+                    f.seek(pos)
+                    f.write(record(T_VOID, bytes(body)))
+                pos = nxt
+            self.rb = self.rbv = None  # the read-ahead held the old bytes
         self.wb.extend(record(T_REL, b""))
         self.rel = {}
         self.commit(True)
@@ -2197,7 +2234,11 @@ def attach(broker, items, data_dir):
     eb._asyncio()
     out = []
     for c in check(items, broker.cfg["board"]):
-        b = Bridge(broker, c, data_dir)
+        try:
+            b = Bridge(broker, c, data_dir)
+        except ValueError as e:  # a newer version's queue file (Queue._open)
+            broker.log("error", str(e))
+            continue
         broker.engine.sinks.append(b)
         broker.extras.append(b.run)
         out.append(b)

@@ -247,7 +247,8 @@ def _open(self):
     try:
         size = f.seek(0, 2)
         f.seek(0)
-        kind = header_kind(f.read(_HDR), size)
+        head = f.read(_HDR)
+        kind = header_kind(head, size)
         if kind == "ok":
             _load_all(self, f, size)
     except MemoryError:
@@ -264,6 +265,13 @@ def _open(self):
     self._f = None
     f.close()
     self._reset()
+    if kind == "future_version":
+        # a newer firmware's file (this one was rolled back): moving it
+        # aside would start an empty file that the newer one, flashed
+        # again, takes over; kept as it is, the store runs read-only
+        why = "format version %d is newer than this firmware's (%d), kept as it is"
+        _open_read_only(self, None, why % (head[4], VERSION))
+        return
     try:
         if kind == "partial":
             fs.remove(path)
@@ -289,23 +297,28 @@ def _move_aside(self, why):
     )
 
 
-def _open_read_only(self, err):
+def _open_read_only(self, err, why=None):
     """The data directory cannot be written (a read-only filesystem,
-    no space to create the file, ...): serve from RAM (FAILURES). What
-    the file holds is loaded as in "disc" mode (a RAM copy of every
-    message, whatever the mode), changes stay in RAM, nothing is
+    no space to create the file, ...), or why (the file is a newer
+    format): serve from RAM (FAILURES). What the file holds is loaded
+    as in "disc" mode (a RAM copy of every message, whatever the mode;
+    nothing if it is not this format), changes stay in RAM, nothing is
     written; durable is False so the broker acknowledges at once."""
     self.read_only = True
     self.durable = False
-    self.degraded = "read-only data dir (%r)" % (err,)
+    if why is None:
+        why = "cannot be written (%r)" % (err,)
+        self.degraded = "read-only data dir (%r)" % (err,)
+    else:
+        self.degraded = why
     self._f = None
     self._reset()
     if self._msgs is None:
         self._msgs = [None] * len(self._ix)
     self._log(
         "error",
-        "%s: cannot be written (%r): retained store is read-only, "
-        "served from RAM; changes are NOT kept across a restart" % (self.path, err),
+        "%s: %s: retained store is read-only, "
+        "served from RAM; changes are NOT kept across a restart" % (self.path, why),
     )
     try:
         f = self._fs.open(self.path, "rb")

@@ -15,8 +15,8 @@
 # A store file, readable in a hex dump (all integers big-endian):
 #
 #   header   45 42 52 53 "EBRS"   magic
-#            01                   format version (the major: a reader refuses
-#                                 a higher one and moves the file aside)
+#            01                   format version (the major: a reader leaves
+#                                 a higher one as it is, read-only: FAILURES)
 #            00 00 00             reserved, written 0, ignored on read
 #   records, appended one after another until the next compaction:
 #            type    1 byte       "P" 0x50 PUT, "D" 0x44 DEL, "C" 0x43 CLOCK;
@@ -97,7 +97,7 @@
 # leftover .new at open is deleted: the old file is intact. If rename cannot
 # replace (FAT), the old file is removed first; at open a missing file with a
 # complete .new means exactly that cut, and the .new is adopted.
-# A file that cannot be opened at all (bad magic, a future version, a
+# A file that cannot be opened at all (bad magic, an older version, a
 # MemoryError while loading it, a directory in its place) is renamed to
 # <path>.bad and the store starts empty, saying so through log; opening
 # never raises on a bad file. A 0..7 byte file that is a prefix of the
@@ -126,6 +126,9 @@
 # stay in RAM, nothing is written, durable is False (the broker acknowledges
 # at once, as with "ram") and degraded names the cause; it logs one error
 # line. The broker reports it in its log and under $SYS.
+# A file of a newer format version (a firmware rolled back) opens the
+# store the same way, its file left untouched: the newer firmware, flashed
+# again, reads it; moved aside, an empty file in its place would be read.
 #
 # -------------------------------------------------------------- INDEX HASH
 # The index hash is keyed: the first 3 bytes of SHA-256(key + topic), with

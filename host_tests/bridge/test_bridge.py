@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from mqtt_helpers import make_certs
-from mqtt_helpers import free_port, wait_for
+from mqtt_helpers import free_port, raw_connect, wait_for
 
 from edgebroker_tools.mqttclient import split_packets
 
@@ -788,6 +788,48 @@ def test_silent_link_is_detected_and_nothing_is_lost(broker_factory, upstream, c
     want = [("site1/gw1/" + t, p) for t, p in sent]
     assert wait_for(lambda: len(arrived(col)) >= len(want), 20)
     check_all_in_order([m for m in col.get() if not m[0].endswith("status")], want)
+
+
+@ASYNC
+@pytest.mark.parametrize("storage", ["disc", "disc_only"])
+def test_newer_format_files_are_kept_as_they_are(broker_factory, storage, tmp_path):
+    """A firmware rolled back to this version finds a newer format's retained
+    store and bridge queue (upgrade audit): it moved them aside as .bad and
+    started empty files, which the newer firmware, flashed again, opened
+    instead: months of state left in a .bad the next one replaces. They are
+    kept byte for byte; the store runs read-only from RAM (acknowledged at
+    once, not durable: it says so, and $SYS/broker/retained/degraded says
+    why) and that bridge does not run, each with one error line."""
+    data = tmp_path / "data"
+    data.mkdir()
+    store = data / "retained.ebrs"
+    queue = data / "bridge-cloud.ebrq"
+    store.write_bytes(b"EBRS\x02\x00\x00\x00" + b"a version 2 store")
+    queue.write_bytes(b"EBRQ\x02\x00\x00\x00" + b"a version 2 queue")
+    before = (store.read_bytes(), queue.read_bytes())
+    cloud = bridge(9, [{"pattern": "#"}])
+    b = broker_factory(storage_type=storage, bridges=[cloud])  # the asyncio server (module)
+    assert b.wait_log("bridge does not run", timeout=5)
+    log = b.log_text()
+    assert "retained.ebrs: format version 2 is newer than this firmware's (1), kept as it is" in log
+    assert "bridge-cloud.ebrq: format version 2 is newer" in log
+    c = raw_connect(b.port, "w", version=5)
+    assert c.publish("v/t", b"in ram", qos=1, retain=True) == 0
+    c.disconnect()
+    r = raw_connect(b.port, "", version=5)
+    r.subscribe([("v/#", 1)])
+    m = r.expect_publish(5)
+    assert (m.topic, m.payload, m.retain) == ("v/t", b"in ram", True)
+    r.disconnect()
+    s = raw_connect(b.port, "sys", version=5)
+    s.subscribe([("$SYS/broker/retained/degraded", 0)])
+    m = s.expect_publish(5)
+    assert b"version 2 is newer" in m.payload
+    s.disconnect()
+    b.stop()
+    assert "Traceback" not in b.log_text()
+    assert (store.read_bytes(), queue.read_bytes()) == before
+    assert sorted(p.name for p in data.iterdir()) == ["bridge-cloud.ebrq", "retained.ebrs"]
 
 
 @ASYNC

@@ -164,6 +164,152 @@ def test_queue_recovers_from_a_torn_tail_and_bounds_itself(tmp_path, exe):
     assert r.returncode == 1 and "damaged: torn tail of 3 bytes" in r.stdout, r.stdout
 
 
+# Files across firmware versions (the upgrade audit), both interpreters:
+# a file made before the "K" rule (header flag 0: its backlog, never
+# acknowledged, has no "K") is not new, so its retained sync is not queued
+# again behind that backlog (in a full queue the sync pushed the oldest
+# acknowledged messages out); a flagged file without "K" still is (its
+# first commit was torn); a torn unflagged file is rewritten flagged, with
+# a "K", so it stays not new; a newer version's file is left byte for byte
+# (ValueError: its bridge does not run); new_session() voids the earlier "R"
+# records in place, so that a reader predating the empty "R" (a firmware
+# rolled back) does not take a message as past PUBREC and send only PUBREL.
+VERSIONS = r'''
+import sys, os, json, struct
+sys.path.insert(0, "lib")
+import edgebridge as b
+d = sys.argv[1]
+out = {}
+def log(level, text):
+    out.setdefault("log", []).append(level + " " + text)
+def raw(path):
+    f = open(path, "rb")
+    data = f.read()
+    f.close()
+    return data
+def write(path, data):
+    f = open(path, "wb")
+    f.write(data)
+    f.close()
+def old_file(path, n, torn=False):
+    # what the firmware before the rule wrote: flag 0, messages, no "K"
+    data = b"EBRQ\x01\x00\x00\x00"
+    for i in range(n):
+        body = struct.pack(">IBBIIHI", i, 1, 0, 0, 0, 1, 0) + b"t" + b"p%d" % i
+        data += b.record(b.T_MSG, body)
+    if torn:
+        data += b"M\x00\x00"
+    write(path, data)
+old_file(d + "/old.ebrq", 5)
+q = b.Queue(d + "/old.ebrq", 1 << 16, True, 0.5, 4096, log)
+out["old"] = [q.created, q.count]
+q.close()
+out["old_header"] = list(raw(d + "/old.ebrq")[:8])
+old_file(d + "/torn.ebrq", 3, True)
+q = b.Queue(d + "/torn.ebrq", 1 << 16, True, 0.5, 4096, log)
+out["torn"] = [q.created, q.count]
+q.close()
+q = b.Queue(d + "/torn.ebrq", 1 << 16, True, 0.5, 4096, log)
+out["torn_again"] = [q.created, q.count, list(raw(d + "/torn.ebrq")[:8])]
+q.close()
+data = bytearray(raw(d + "/old.ebrq"))
+data[5] = 1  # the same records in a file made under the rule: a torn first commit
+write(d + "/cut.ebrq", data)
+q = b.Queue(d + "/cut.ebrq", 1 << 16, True, 0.5, 4096, log)
+out["cut"] = [q.created, q.count]
+q.close()
+q = b.Queue(d + "/new.ebrq", 1 << 16, True, 0.5, 4096, log)
+out["new"] = [q.created, list(raw(d + "/new.ebrq")[:8])]
+q.close()
+future = b"EBRQ\x02\x00\x00\x00" + b"whatever version 2 keeps"
+write(d + "/future.ebrq", future)
+try:
+    b.Queue(d + "/future.ebrq", 1 << 16, True, 0.5, 4096, log)
+    out["future"] = "opened"
+except ValueError as e:
+    out["future"] = str(e)
+out["future_kept"] = raw(d + "/future.ebrq") == future
+out["future_bad"] = ".ebrq.bad" in " ".join(os.listdir(d))
+# "R" records voided by new_session
+q = b.Queue(d + "/rel.ebrq", 1 << 16, True, 0.5, 4096, log)
+for i in range(4):
+    q.append(2, 0, 0, 0, b"t/%d" % i, b"", b"x")
+q.commit()
+first = q.seq
+q.released(first - 4)
+q.released(first - 2)
+q.commit()
+pos = q.cursor
+rt, body, pos = q.read(pos)  # the read-ahead holds the "R" bytes now
+q.new_session()
+def scan(path):
+    data = raw(path)
+    size = len(data)
+    f = open(path, "rb")
+    pos, rel4, void, empty = 8, 0, 0, 0
+    while pos < size:
+        rt, body, nxt = b.read_record(f, pos, size)
+        if rt is None or rt == -1:
+            return ["bad", pos]
+        if rt == b.T_REL and len(body) == 4:
+            rel4 += 1
+        elif rt == b.T_REL:
+            empty += 1
+        elif rt == 0x72:
+            void += 1
+        pos = nxt
+    f.close()
+    return [rel4, void, empty]
+out["rel_scan"] = scan(d + "/rel.ebrq")
+out["rel_live"] = [q.count, len(q.rel)]
+n = 0
+pos = q.cursor
+while pos < q.end:
+    rt, body, pos = q.read(pos)
+    n += rt == b.T_MSG
+out["rel_read"] = n
+q.close()
+q = b.Queue(d + "/rel.ebrq", 1 << 16, True, 0.5, 4096, log)
+out["rel_reopen"] = [q.count, len(q.rel), q.created]
+q.close()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("exe", ["cpython", "micropython"])
+def test_queue_files_across_firmware_versions(tmp_path, exe):
+    script = tmp_path / "v.py"
+    script.write_text(VERSIONS)
+    cmd = [sys.executable if exe == "cpython" else micropython_exe(), str(script), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["old"] == [False, 5]  # not new: no second sync behind its backlog
+    assert out["old_header"] == [69, 66, 82, 81, 1, 0, 0, 0]  # untouched until compacted
+    assert out["torn"] == [False, 3]
+    assert out["torn_again"] == [False, 3, [69, 66, 82, 81, 1, 1, 0, 0]]
+    assert out["cut"] == [True, 5]  # flagged, no "K": the sync is done again
+    assert out["new"] == [True, [69, 66, 82, 81, 1, 1, 0, 0]]
+    assert "format version 2 is newer" in out["future"] and "does not run" in out["future"]
+    assert out["future_kept"] and not out["future_bad"]
+    assert out["rel_scan"] == [0, 2, 1]  # no live 4-byte "R" left for an old reader
+    assert out["rel_live"] == [4, 0] and out["rel_read"] == 4
+    assert out["rel_reopen"][:2] == [4, 0]
+    # store inspect reads them as the broker does
+    cli = [str(Path(sys.executable).parent / "edgebroker"), "store", "inspect", "--json"]
+    reps = {}
+    for name in ("old", "cut", "rel"):
+        r = subprocess.run(cli + [str(tmp_path / (name + ".ebrq"))], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        reps[name] = json.loads(r.stdout)
+    assert reps["old"]["sync_again"] is False and reps["cut"]["sync_again"] is True
+    assert reps["rel"]["by_type"]["r"] == 2 and reps["rel"]["released"] == 0
+    r = subprocess.run(cli[:-1] + [str(tmp_path / "cut.ebrq")], capture_output=True, text=True,
+                       timeout=60)
+    assert "queues its retained sync again" in r.stdout, r.stdout
+
+
 BR = {"name": "c", "host": "h", "topics": [{"pattern": "a/#"}]}
 
 

@@ -595,7 +595,8 @@ def test_unknown_record_type_is_skipped():
 def test_unreadable_store_moved_aside_to_bad():
     def run(d, mode):
         p = d + "/r.ebrs"
-        for head in (b"EBRX\x01\x00\x00\x00", b"EBRS\x02\x00\x00\x00", b"junk"):
+        # (a newer format version is kept: test_golden_future_version_...)
+        for head in (b"EBRX\x01\x00\x00\x00", b"EBRS\x00\x00\x00\x00", b"junk"):
             _write(p, head + b"whatever follows")
             _write(p + ".bad", b"an older .bad")
             logs = []
@@ -826,16 +827,41 @@ def test_golden_unknown_record():
                                                 "skipped_unknown": 1, "corrupt": 0})
 
 
-def test_golden_bad_magic_and_future_version_moved_aside():
-    for name in ("bad_magic.ebrs", "future_version.ebrs"):
-        for mode in MODES:
-            d, got, o, _ = _golden(name, mode)
-            try:
-                assert got == {} and o["moved_aside"] is True and o["created"] is True
-                assert _read(d + "/r.ebrs.bad") == _read(_DATA + "/" + name)
-                assert _read(d + "/r.ebrs") == es.HEADER
-            finally:
-                _rmtree(d)
+def test_golden_bad_magic_moved_aside():
+    for mode in MODES:
+        d, got, o, _ = _golden("bad_magic.ebrs", mode)
+        try:
+            assert got == {} and o["moved_aside"] is True and o["created"] is True
+            assert _read(d + "/r.ebrs.bad") == _read(_DATA + "/bad_magic.ebrs")
+            assert _read(d + "/r.ebrs") == es.HEADER
+        finally:
+            _rmtree(d)
+
+
+def test_golden_future_version_kept_as_it_is_read_only():
+    # A newer firmware's store (this one rolled back): moved aside, an empty
+    # file would take its place and the newer firmware, flashed again,
+    # would open that. It is left byte for byte; the store runs read-only
+    # from RAM (empty: the format is unknown here) and says why, at error.
+    for mode in MODES:
+        d = _tmpdir()
+        try:
+            p = d + "/r.ebrs"
+            orig = _read(_DATA + "/future_version.ebrs")
+            _write(p, orig)
+            logs = []
+            st = _open(d, mode, log=lambda lv, text: logs.append((lv, text)))
+            assert st.read_only is True and st.durable is False and st.count == 0
+            assert not st.open_stats["moved_aside"] and not _exists(p + ".bad")
+            assert "format version 2 is newer" in st.degraded
+            assert [t for lv, t in logs if lv == "error" and "version 2 is newer" in t]
+            st.put("a", M("a", b"1"))
+            st.commit()
+            assert st.get("a")[1] == b"1"
+            st.close()
+            assert _read(p) == orig
+        finally:
+            _rmtree(d)
 
 
 def test_golden_good_is_what_flashstore_writes():

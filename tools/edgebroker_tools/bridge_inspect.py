@@ -83,12 +83,14 @@ def queue_report(b: ModuleType, path: str, limit: int = 20) -> Report:
         "corrupt": 0,
         "corrupt_offsets": [],
         "released": 0,
+        "sync_again": False,
         "first": [],
     }
     if size < 0:
         return rep
     cur = hdr
     seq = 0
+    marked = False
     rel: set[int] = set()
     with Path(path).open("rb") as f:
         head = f.read(hdr)
@@ -121,6 +123,7 @@ def queue_report(b: ModuleType, path: str, limit: int = 20) -> Report:
             if rt == b.T_CURSOR and len(body) == 8:
                 cur, s2 = unpack_from(">II", body, 0)
                 seq = max(seq, s2)
+                marked = True
             elif rt == b.T_MSG and len(body) >= 4:
                 seq = max(seq, unpack_from(">I", body, 0)[0] + 1)
             elif rt == b.T_REL and len(body) == 4:
@@ -165,6 +168,9 @@ def queue_report(b: ModuleType, path: str, limit: int = 20) -> Report:
         backlog_bytes=nb,
         dead_bytes=cur - hdr,
         released=len(rel),
+        # the broker's rule (Queue._open): a file with the "K" rule's flag
+        # and no cursor record is new, its retained sync is done again
+        sync_again=bool(head[5] & 1) and not marked,
         first=first,
     )
     return rep
@@ -212,6 +218,8 @@ def format_bridge_report(report: Report) -> str:
         f"dead     {dead} bytes{share}",
         f"qos 2    {report['released']} past PUBREC (PUBREL pending)",
     ]
+    if report["sync_again"]:
+        lines.append("sync     not done whole: the broker queues its retained sync again at start")
     first = cast(list[Report], report["first"])
     if first:
         lines.append("")
