@@ -1636,6 +1636,8 @@ class Engine:
         self.congested = 0  # sessions at high water
         self.held = []  # connections whose input waits (Conn.held)
         self.unheld = []  # the server resumes reading these
+        self.nohold = False  # lost(): a closed connection's input is not held
+        self.xsweep = -1.0  # when _retain last swept a full store
         self.max_user = c["max_user_properties"]
         # Connections that have not sent CONNECT yet hold a socket and a
         # buffer but no client slot: bounded to half of max_clients (at
@@ -1765,7 +1767,12 @@ class Engine:
                 j = 1
                 while pend[j] & 0x80:
                     j += 1
-                if self.congested and pend[0] >> 4 == 3 and self.holds(conn, pend, j + 1, size):
+                if (
+                    self.congested
+                    and pend[0] >> 4 == 3
+                    and not self.nohold
+                    and self.holds(conn, pend, j + 1, size)
+                ):
                     pend += data[take:n]
                     self.hold(conn, pend)
                     return
@@ -1814,7 +1821,12 @@ class Engine:
                 pend[0 : n - i] = data[i:n]
                 conn.need = size - (n - i)
                 return
-            if self.congested and data[i] >> 4 == 3 and self.holds(conn, data, j, j + rl):
+            if (
+                self.congested
+                and data[i] >> 4 == 3
+                and not self.nohold
+                and self.holds(conn, data, j, j + rl)
+            ):
                 self.hold(conn, bytearray(data[i:n]))
                 return
             self.handle(conn, data[i], data, j, j + rl)
@@ -2618,6 +2630,29 @@ class Engine:
         (then the acknowledgement waits for the commit)."""
         return self.store.delete(topic) and self.store.durable
 
+    def sweep_full(self):
+        """The store is full for a change: expired messages keep their
+        places until the tick's sweep (64 entries a second) reaches them, so
+        they are swept from the whole store first, at most once a second (a
+        store full of live messages costs a pass a second, not one per
+        PUBLISH). The count removed; -1 when the sweep's write failed."""
+        now = self.now_s
+        if now - self.xsweep < 1:
+            return 0
+        self.xsweep = now
+        st = self.store
+        n = 0
+        try:
+            # expire() resumes where it stopped and ends at the store's end
+            n = st.expire(now, st.count + 1)
+            n += st.expire(now, st.count + 1)
+        except OSError as err:
+            self.store_failed(err)
+            return -1
+        if n and st.durable:
+            self.sdirty = True
+        return n
+
     def _retain(self, msg, topic):
         """Rules S1-S4 and L2-L4 of docs: store, replace or delete."""
         if topic[:4] == "$SYS":
@@ -2638,12 +2673,16 @@ class Engine:
         if old is None:
             cap = cfg["max_retained_messages"]
             if (cap and store.count >= cap) or (budget and store.nbytes + size > budget):
+                if self.sweep_full() < 0:
+                    return False
+            if (cap and store.count >= cap) or (budget and store.nbytes + size > budget):
                 # L2/L4: a new topic is forwarded but not stored
                 self.refuse("retained_full", "%s not stored", topic)
                 return False
         elif budget and store.nbytes - msg_size(old) + size > budget:
-            self.refuse("retained_full", "%s not stored", topic)
-            return self.unstore(topic)
+            if self.sweep_full() < 0 or store.nbytes - msg_size(old) + size > budget:
+                self.refuse("retained_full", "%s not stored", topic)
+                return self.unstore(topic)
         if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg
@@ -3199,6 +3238,13 @@ class Engine:
             self.pre -= 1
         if conn.pend is not None:
             conn.pend = None
+        if conn.held is not None:
+            # its waiting input goes with it (lost() took it first if the
+            # network closed it), not kept until the congestion ends (no
+            # allocation: a Conn compares by identity)
+            conn.held = None
+            if conn in self.held:
+                self.held.remove(conn)
         sess = conn.sess
         w = None
         if sess is not None and sess.conn is conn:
@@ -3278,6 +3324,23 @@ class Engine:
         self.now_s = now
         if conn.closed:
             return
+        h = conn.held
+        if h is not None:
+            # Its input waited behind a subscriber at high water (flow
+            # control paces the publishers). Gone, it has nothing left to
+            # pace: what it sent is taken now, its PUBLISH routed and a
+            # DISCONNECT after it honoured (no will: MQTT-3.1.2-10), rather
+            # than all of it dropped with the will as if it had vanished
+            conn.held = None
+            if conn in self.held:
+                self.held.remove(conn)
+            self.nohold = True
+            try:
+                self.receive(conn, memoryview(h), len(h), now)
+            finally:
+                self.nohold = False
+            if conn.closed:
+                return
         if conn.pend is not None:
             self.log(
                 "info",
@@ -3761,6 +3824,7 @@ class Broker:
     def __init__(self, cfg, store=None, clock=None, log=None):
         self.cfg = cfg
         self.clock = clock if clock is not None else MonoClock()
+        self._tturn = _ticks_ms()  # when the last turn began (_turn)
         self.engine = Engine(cfg, store, log)
         self.store = self.engine.store
         self.lsock = None
@@ -4160,12 +4224,18 @@ class Broker:
         short = False
         now = self.clock()
         eng = self.engine
-        if now - eng.now_s > 2:
+        t = _ticks_ms()
+        if _ticks_diff(t, self._tturn) > 2000:
             # the loop was held (a blocking call beside the broker): what
             # clients sent meanwhile is still unread, so keep alive is looked
             # at a second later, once the readers have run (MQTT-3.1.2-22
-            # counts from a packet received, not from one read)
+            # counts from a packet received, not from one read). Measured in
+            # ticks, not in broker seconds: those are a float, single
+            # precision on the boards, whose steps reach 2 s after 194 days
+            # of uptime and 4 s after 388 days (then every turn looked held,
+            # and no tick ran: no keep alive, expiry or $SYS)
             eng._last_tick = now
+        self._tturn = t
         try:
             eng.turn(now)
         except MemoryError:

@@ -896,7 +896,11 @@ class FlashStore:
 
     def _note(self, g, new, old, m):
         # how to undo a change in group g (FAILURES): the entry is now new
-        # (-1: gone) and was old (-1: absent) with message m ("disc")
+        # (-1: gone) and was old (-1: absent) with message m ("disc"). Not
+        # read_only: nothing is written, so nothing is undone (the list
+        # grew by every change for as long as the broker ran)
+        if self.read_only:
+            return
         self._begin()
         self._undo.append((g, new, old, m))
 

@@ -2481,3 +2481,22 @@ def test_regression_6_queued_qos1_goes_when_the_buffer_drains_MQTT_4_6():
     eng.turn(T0 + 0.1)
     got = s.msgs()
     assert [(m.payload, m.qos) for m in got] == [(b"q", 1)]
+
+
+def test_a_held_connection_closed_by_a_takeover_leaves_the_held_list():
+    # Flow control holds a publisher's input while a subscriber of its topic
+    # is at high water (Engine.hold). Closed any way but by the network (a
+    # takeover here), it stayed in Engine.held with its bytes until the
+    # congestion ended (the soak audit's leak).
+    eng = mk(max_queued=4, max_inflight=1)
+    sub = Peer(eng, "slow")
+    sub.sub("h/t", 1)
+    pub = Peer(eng, "p")
+    for i in range(8):
+        pub.send(publish("h/t", b"x" * 100, qos=1, pid=i + 1))
+        if eng.held:
+            break
+    assert eng.held == [pub.c] and pub.c.held is not None, "never held"
+    Peer(eng, "p")  # the same client id again: a takeover (MQTT-3.1.4-3)
+    assert pub.c.closed
+    assert eng.held == [] and pub.c.held is None

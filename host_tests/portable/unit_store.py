@@ -1201,6 +1201,46 @@ def test_read_only_data_dir_serves_from_ram_loudly():
     _each_mode(run)
 
 
+def test_read_only_store_undo_list_does_not_grow():
+    # Soak audit F5: a store opened read-only (degraded: a read-only or full
+    # data dir) noted every put and delete in its undo list (_undo), which
+    # only a commit that writes clears, and commit() returns at once when
+    # read_only: the list, holding each replaced message, grew for the
+    # broker's whole uptime (~230 B per retained change on a board). Now:
+    # after 2,000 put() + commit() of the same 4 topics (and deletes), the
+    # undo list is empty (or None) and, on MicroPython, the heap has not
+    # grown with them (gc.mem_alloc() after a collection).
+    def run(d, mode):
+        st = _open(d, mode)
+        _fill(st, 5)
+        st.close()
+        st = _open(d, mode, fs=ReadOnlyFs(), log=lambda lv, text: None)
+        assert st.read_only is True
+        payload = b"v" * 60
+        for i in range(50):  # warm up: the store's own structures settle
+            t = "m/%d" % (i % 4)
+            st.put(t, M(t, payload))
+            st.commit()
+        gc.collect()
+        a0 = gc.mem_alloc() if MICROPYTHON else 0
+        for i in range(2000):
+            t = "m/%d" % (i % 4)
+            st.put(t, M(t, payload))
+            if i % 100 == 99:
+                assert st.delete("m/4") is (i == 99)
+            st.commit()
+        undo = st._undo
+        assert undo is None or len(undo) == 0, "undo list of a read-only store: %d entries" % len(
+            undo)
+        if MICROPYTHON:
+            gc.collect()
+            grow = gc.mem_alloc() - a0
+            assert grow < 20000, "heap grew by %d bytes over 2000 read-only puts" % grow
+        assert _payloads(st)["m/1"] == payload and st.count == 4
+        st.close()
+    _each_mode(run)
+
+
 def test_full_disk_rolls_back_stays_readable_and_recovers():
     # Issue 14 #7: after a failed commit every retained publish raised and
     # reads failed. Now: the failed commit raises (the broker's documented

@@ -1,6 +1,8 @@
 """Keep Alive enforcement and Will Messages."""
 
+import socket
 import time
+from pathlib import Path
 
 import pytest
 from mqtt_helpers import (
@@ -376,3 +378,47 @@ def test_wills_are_published_when_the_broker_stops_MQTT_3_1_2_8(broker_factory):
     b2 = broker_factory(storage_type="disc", port=b.port)
     got = mosquitto_sub(b2.port, ["-t", "st/#", "-v"], count=2, timeout=5)
     assert sorted(got) == ["st/a offline", "st/d offline"], got
+
+
+F32_CLOCK = Path(__file__).resolve().parents[1] / "portable" / "f32_clock_broker.py"
+
+
+@pytest.mark.parametrize("days", [1, 400])
+def test_keepalive_after_a_long_uptime_on_single_precision_floats_MQTT_3_1_2_24(
+        broker_factory, days):
+    """ESP32 and RP2040 MicroPython have single-precision floats: the
+    broker's seconds (MonoClock) step by 4 s once a board has been up 2**25 s
+    (388 days). Each step looked like a loop held over 2 s (Broker._turn),
+    which postponed the once-a-second tick every time: from then on no keep
+    alive, no connect timeout, no expiry and no $SYS, for good. The held loop
+    is measured in ticks now. The broker runs here with its clock rounded to
+    float32 from an uptime of `days` (f32_clock_broker.py): a silent Keep
+    Alive 2 s client is still disconnected (1.5 x Keep Alive, to the clock's
+    steps: docs/boards.md) and a client that never sends CONNECT is dropped
+    (connect_timeout 2 s)."""
+    b = broker_factory(script=str(F32_CLOCK), extra_args=("--fault", str(days * 86400)),
+                       connect_timeout=2)
+    requires_edgebroker(b)
+    silent = raw_connect(b.port, "silent", version=5, keepalive=2)
+    mute = socket.create_connection(("127.0.0.1", b.port), timeout=2)
+    mute.settimeout(0.1)
+    t0 = time.monotonic()
+    closed = mute_closed = None
+    while time.monotonic() - t0 < 14 and (closed is None or mute_closed is None):
+        if closed is None and not silent.is_open(0.2):
+            closed = time.monotonic() - t0
+        if mute_closed is None:
+            try:
+                if mute.recv(16) == b"":
+                    mute_closed = time.monotonic() - t0
+            except socket.timeout:
+                pass
+            except OSError:
+                mute_closed = time.monotonic() - t0
+        else:
+            time.sleep(0.1)
+    mute.close()
+    assert closed is not None, "a silent Keep Alive 2 s client was never disconnected"
+    assert mute_closed is not None, "a client without CONNECT was never dropped"
+    if days == 1:  # the clock's steps are 8 ms: on time
+        assert 2.5 <= closed <= 5, closed

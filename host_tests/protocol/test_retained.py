@@ -820,6 +820,66 @@ def test_max_retained_messages_full_forwards_but_does_not_store_L2(broker_factor
     pub.disconnect()
 
 
+@pytest.mark.parametrize("storage_type", ["ram", "disc_only"])
+def test_expired_retained_messages_do_not_keep_places_in_a_full_store_L2_E1(
+    broker_factory, request, storage_type
+):
+    """L2 / E1 (MQTT-3.3.2-5: a retained message whose Message Expiry
+    Interval has passed is no longer the topic's retained message).
+
+    Defect (soak audit F4): expired retained messages kept their places in
+    max_retained_messages until the once-a-second sweep (64 entries a
+    second) reached them, so a store full of expired-but-unswept messages
+    refused new retained topics (refusals/retained_full, message not
+    stored) although none of its messages was alive. Fixed: a full store
+    sweeps its expired messages before it refuses.
+
+    max_retained_messages=400 (far more than the sweep's 64 a second can
+    reach in the wait: with 50 the regular sweep alone would empty it): 400
+    retained topics with Message Expiry Interval 1 s, ~2.5 s later 400 NEW
+    retained topics: every one is stored (a new subscriber to # gets
+    exactly the 400 new ones, no expired one; $SYS retained/count is 400)
+    and no retained_full refusal is counted ($SYS) or logged. RAM store
+    and flash store (disc_only, compaction held off: a compaction also
+    drops every expired message, and one starting at the sweep's second
+    pass hid the defect there)."""
+    n = 400
+    extra = {}
+    if storage_type == "disc_only":
+        # no compaction (it drops every expired message at once, and the
+        # 2nd sweep's DELs would start one): the sweep alone frees places
+        extra["compact_min_bytes"] = 1073741824
+    b = start_broker(broker_factory, request, max_retained_messages=n, sys_interval=1,
+                     storage_type=storage_type, **extra)
+    requires_edgebroker(b)
+    pub = raw_connect(b.port, "xfpub", version=5)
+    exp1 = prop_u32(MESSAGE_EXPIRY_INTERVAL, 1)
+    # QoS 0 in bulk, then a QoS 1 PUBLISH: its PUBACK says all were taken
+    pub.send(b"".join(publish_packet("xold/%d" % i, b"old", qos=0, retain=True, props=exp1)
+                      for i in range(n)))
+    assert pub.publish("xmark", b"m", qos=1, pid=1) == 0
+    assert len(retained_of(b.port, "xold/#", qos=0, wait=0.5)) == n  # precondition: all stored
+    time.sleep(2.5)  # every one has expired
+    pub.send(b"".join(publish_packet("xnew/%d" % i, b"new", qos=0, retain=True)
+                      for i in range(n)))
+    assert pub.publish("xmark", b"m", qos=1, pid=2) == 0
+    got = sorted(m.topic for m in retained_of(b.port, "#", qos=0, wait=0.5))
+    want = sorted("xnew/%d" % i for i in range(n))
+    missing = sorted(set(want) - set(got), key=lambda t: int(t.split("/")[1]))
+    assert not missing, "%d new retained topics not stored, e.g. %r" % (len(missing), missing[:5])
+    assert got == want, [t for t in got if not t.startswith("xnew/")][:5]
+    w = SysWatcher(b.port, "$SYS/broker/#")
+    try:
+        # two $SYS passes begun: the first one's values have all arrived
+        v = w.wait(lambda v: len(w.history.get("$SYS/broker/uptime", ())) >= 2, timeout=5.0)
+    finally:
+        w.close()
+    assert sys_int(v, "retained/count") == n, v
+    assert sys_int(v, "refusals/retained_full") is None, v
+    assert "retained_full" not in b.log_text()
+    pub.disconnect()
+
+
 def test_max_payload_size_larger_retained_forwarded_not_stored_old_dropped_L3(
     broker_factory, request
 ):
