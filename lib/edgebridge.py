@@ -913,7 +913,11 @@ class Bridge:
         if not self.durable:
             self.eng.sdirty = True  # written at the turn's commit, not waited for
         t = _ticks_us()
-        if _ticks_diff(t, self.tpump) >= _PUMP_US:
+        d = _ticks_diff(t, self.tpump)
+        # d < 0: the last pump was over half of ticks_us' period ago (about
+        # 9 minutes on MicroPython, whose ticks wrap every 2**30 us): then
+        # every put() pumped no more until the wrap came round again
+        if d >= _PUMP_US or d < 0:
             self.tpump = t
             self.pump()
         return True  # sendable after the commit, which wakes the link

@@ -1612,6 +1612,7 @@ class Engine:
         self._heap = None  # (when, free, allocated): the last $SYS heap figures
         self._keep = None  # a session being taken over: bound_offline spares it
         self.refusals = {}
+        self.rlog = {}  # cause -> int second of its last log line (refuse)
         self._next_id = 0
         self._last_tick = 0
         self._last_sys = 0
@@ -1666,14 +1667,23 @@ class Engine:
             print("edgebroker: %s %s" % (level, text), file=sys.stderr)
 
     def refuse(self, cause, fmt="", *args):
-        """Counts a refusal by cause (L5); logs the first of each cause."""
+        """Counts a refusal by cause (L5); logs the first of each cause, then
+        at most one a minute with the count so far: a client retrying in a
+        loop costs a board's serial console one line a minute, not one per
+        attempt, and a second episode months later is still seen."""
         n = self.refusals.get(cause, 0)
         if n == 0 and len(self.refusals) >= 64:
             cause = "other"
             n = self.refusals.get(cause, 0)
         self.refusals[cause] = n + 1
-        if n == 0:
-            self.log("warning", "refused (%s) %s" % (cause, fmt % args if args else fmt))
+        t = int(self.now_s)  # a small int: no float to box on a board
+        last = self.rlog.get(cause)
+        if last is None or t - last >= 60:
+            self.rlog[cause] = t
+            text = fmt % args if args else fmt
+            if n:
+                text = "%s (%d refused so far)" % (text, n + 1)
+            self.log("warning", "refused (%s) %s" % (cause, text))
 
     # ------------------------------------------------------------ writing
     def outbuf(self, conn):
@@ -3670,7 +3680,8 @@ class Engine:
 
     def protocol_error(self, conn, err):
         conn.linger = True  # it is likely still writing: graceful close (Broker._linger)
-        self.log("info", "client %s: %s (0x%02x)", conn.cid or conn.peer, err.text, err.code)
+        if conn.sess is None:  # else disconnect() says it, one line
+            self.log("info", "client %s: %s (0x%02x)", conn.cid or conn.peer, err.text, err.code)
         self.refuse("protocol", "%s", err.text)
         self.disconnect(conn, err.code, err.text)
 
@@ -3688,7 +3699,7 @@ class Engine:
             elif conn.ka and conn.held is None and now - conn.last > conn.ka * 1.5:
                 # (a held connection's packets wait unread: not its silence)
                 # MQTT-3.1.2-22: 1.5 times the Keep Alive without a packet
-                self.log("info", "client %s keep alive timeout", conn.cid)
+                # (disconnect() logs it)
                 self.disconnect(conn, _RC_KEEPALIVE, "keep alive timeout")
         if self.congested:
             self.slow_consumers(now)

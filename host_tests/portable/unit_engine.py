@@ -2500,3 +2500,45 @@ def test_a_held_connection_closed_by_a_takeover_leaves_the_held_list():
     Peer(eng, "p")  # the same client id again: a takeover (MQTT-3.1.4-3)
     assert pub.c.closed
     assert eng.held == [] and pub.c.held is None
+
+
+def test_refusals_logged_first_then_at_most_one_a_minute_per_cause():
+    # A client retrying in a loop (a bad password, a malformed packet) cost
+    # nothing more than its first refusal's line, for the whole uptime: a
+    # second episode months later was seen only in $SYS. Now the first of
+    # each cause and then at most one line a minute with the count, so a
+    # board's serial console is never a line per attempt.
+    eng = mk()
+    del LOG[:]
+    for i in range(50):
+        eng.now_s = T0 + i  # 50 s
+        eng.refuse("auth", "bad password for %s", "u")
+    lines = [t for lv, t in LOG if "refused (auth)" in t]
+    assert lines == ["refused (auth) bad password for u"], lines
+    eng.now_s = T0 + 61
+    eng.refuse("auth", "bad password for %s", "u")
+    eng.refuse("protocol", "%s", "malformed")
+    lines = [t for lv, t in LOG if "refused (" in t]
+    assert lines[1:] == ["refused (auth) bad password for u (51 refused so far)",
+                         "refused (protocol) malformed"], lines
+    assert eng.refusals["auth"] == 51
+
+
+def test_a_protocol_error_is_one_log_line():
+    # It was two (the error, then "disconnected by the broker" with the
+    # same words) or three with the refusal; a keep alive timeout two.
+    eng = mk()
+    p = Peer(eng, "m")
+    del LOG[:]
+    p.send(pk(0x30, s("a/#") + b"x"))  # a wildcard in a PUBLISH topic (MQTT-3.3.2-2)
+    assert p.c.closed
+    said = [t for lv, t in LOG if lv == "info" and "client m" in t]
+    assert len(said) == 1 and "disconnected by the broker" in said[0], LOG
+    p2 = Peer(eng, "k", ka=1)
+    del LOG[:]
+    eng.now_s = T0 + 5
+    eng.tick()
+    assert p2.c.closed
+    said = [t for lv, t in LOG if "client k" in t]
+    assert said == ["client k disconnected by the broker: keep alive timeout (0x8d)"], LOG
+
