@@ -240,21 +240,22 @@ class SlowReader(RawClient):
 # $SYS watcher
 
 
-class SysWatcher:
-    """Raw 3.1.1 client subscribed to ``$SYS/#`` in a background thread;
-    ``values`` maps topic -> latest payload (str); ``retain_flags`` maps
-    topic -> RETAIN flag of the first copy received."""
+class Collector:
+    """A raw client subscribed to one filter (QoS 0) that reads in a
+    background thread; ``got`` lists the (topic, payload bytes) of the
+    PUBLISHes it received."""
 
-    def __init__(self, port, flt="$SYS/#"):
-        self.c = raw_connect(port, "", version=4)
-        self.values = {}
-        self.history = {}
-        self.retain_flags = {}
+    def __init__(self, port, flt, version=4, client_id=""):
+        self.c = raw_connect(port, client_id, version=version)
+        self.got = []
         self._cond = threading.Condition()
         self._stop = False
         assert self.c.subscribe([(flt, 0)]) == [0]
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
+
+    def _take(self, m):
+        self.got.append((m.topic, bytes(m.payload)))
 
     def _run(self):
         while not self._stop:
@@ -268,13 +269,48 @@ class SysWatcher:
                 return
             if p.ptype != PUBLISH:
                 continue
-            m = parse_publish(p.flags, p.body, 4)
-            v = m.payload.decode("ascii", "replace")
+            m = parse_publish(p.flags, p.body, self.c.version)
             with self._cond:
-                self.retain_flags.setdefault(m.topic, m.retain)
-                self.values[m.topic] = v
-                self.history.setdefault(m.topic, []).append(v)
+                self._take(m)
                 self._cond.notify_all()
+
+    def wait_got(self, pred, timeout):
+        """Wait (bounded) until pred(got) holds; returns whether it did."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not pred(self.got):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def snapshot(self):
+        with self._cond:
+            return list(self.got)
+
+    def close(self):
+        self._stop = True
+        self._t.join(2)
+        self.c.close()
+
+
+class SysWatcher(Collector):
+    """Raw 3.1.1 client subscribed to ``$SYS/#`` in a background thread;
+    ``values`` maps topic -> latest payload (str); ``retain_flags`` maps
+    topic -> RETAIN flag of the first copy received."""
+
+    def __init__(self, port, flt="$SYS/#"):
+        self.values = {}
+        self.history = {}
+        self.retain_flags = {}
+        Collector.__init__(self, port, flt)
+
+    def _take(self, m):
+        v = m.payload.decode("ascii", "replace")
+        self.retain_flags.setdefault(m.topic, m.retain)
+        self.values[m.topic] = v
+        self.history.setdefault(m.topic, []).append(v)
 
     def wait(self, pred, timeout=5.0):
         """Wait until pred(values) is truthy; returns a copy of the values."""
@@ -290,10 +326,6 @@ class SysWatcher:
                 self._cond.wait(remaining)
             return dict(self.values)
 
-    def close(self):
-        self._stop = True
-        self._t.join(2)
-        self.c.close()
 
 
 def sys_int(values, name):

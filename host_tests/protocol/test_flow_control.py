@@ -14,6 +14,7 @@ import pytest
 from paho.mqtt.properties import Properties
 from paho.mqtt.packettypes import PacketTypes
 
+from helpers_pubsub import Collector
 from mqtt_helpers import (
     connect_packet,
     parse_disconnect,
@@ -265,60 +266,6 @@ def test_subscribers_that_publish_to_what_they_read_are_not_held_up_by_each_othe
 # publishers that leave while flow control holds their input
 
 
-class _Collector:
-    """A raw client subscribed to one filter (QoS 0) that reads in a thread:
-    ``got`` is the list of (topic, payload) of the PUBLISHes it received."""
-
-    def __init__(self, port, flt, version=5, client_id=""):
-        from mqtt_helpers import raw_connect
-
-        self.c = raw_connect(port, client_id, version=version)
-        assert self.c.subscribe([(flt, 0)]) == [0]
-        self.got = []
-        self._cond = threading.Condition()
-        self._stop = False
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        from mqtt_helpers import PUBLISH, parse_publish
-
-        while not self._stop:
-            try:
-                p = self.c.read_packet(0.2)
-            except TimeoutError:
-                continue
-            except (OSError, EOFError, ValueError):
-                return
-            if p is None:
-                return
-            if p.ptype == PUBLISH:
-                m = parse_publish(p.flags, p.body, self.c.version)
-                with self._cond:
-                    self.got.append((m.topic, bytes(m.payload)))
-                    self._cond.notify_all()
-
-    def wait(self, pred, timeout):
-        """Wait (bounded) until pred(got) holds; returns whether it did."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not pred(self.got):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
-
-    def snapshot(self):
-        with self._cond:
-            return list(self.got)
-
-    def close(self):
-        self._stop = True
-        self._t.join(2)
-        self.c.close()
-
-
 def _congested(port, version=5):
     """A subscriber ("held-stuck", QoS 1 on held/#) that never reads nor
     acknowledges, brought to high water: with max_inflight 2 and max_queued
@@ -395,8 +342,8 @@ def test_held_publisher_that_disconnects_normally_loses_its_will_not_its_message
     (a QoS 1 probe stays unacknowledged)."""
     b = broker_factory(max_inflight=2, max_queued=4, slow_consumer_timeout=300)
     requires_edgebroker(b)
-    reader = _Collector(b.port, "held/#", version=version, client_id="held-reader")
-    wills = _Collector(b.port, "will/#", version=version, client_id="held-willwatch")
+    reader = Collector(b.port, "held/#", version=version, client_id="held-reader")
+    wills = Collector(b.port, "will/#", version=version, client_id="held-willwatch")
     stuck, probe, filler = _congested(b.port, version)
     try:
         n = 5
@@ -404,15 +351,15 @@ def test_held_publisher_that_disconnects_normally_loses_its_will_not_its_message
             _give_up(b.port, k, version, b"gu%d" % k)
         want = {("held/gu", b"gu%d" % k) for k in range(n)}
         # (bounded; with the fix they come at once)
-        reader.wait(lambda got: want <= set(got), 4.0)
+        reader.wait_got(lambda got: want <= set(got), 4.0)
         _give_up(b.port, 99, version, b"abnormal", disconnect=False)
         # the abnormal close's will arrives; by then the broker saw every
         # earlier close
-        assert wills.wait(lambda got: ("will/gu99", b"offline") in got, 5.0), (
+        assert wills.wait_got(lambda got: ("will/gu99", b"offline") in got, 5.0), (
             "the will of a held publisher that closed without DISCONNECT was not published: %r"
             % wills.snapshot())
-        reader.wait(lambda got: ("held/gu", b"abnormal") in got, 3.0)
-        wills.wait(lambda got: False, 0.3)  # anything still on its way
+        reader.wait_got(lambda got: ("held/gu", b"abnormal") in got, 3.0)
+        wills.wait_got(lambda got: False, 0.3)  # anything still on its way
         published = sorted(t for t, _ in wills.snapshot())
         assert published == ["will/gu99"], (
             "wills published for held publishers that sent DISCONNECT 0x00: %r" % published)
@@ -472,8 +419,8 @@ def test_held_publishers_that_leave_do_not_accumulate_in_the_broker(broker_facto
     b = broker_factory(heap="32m", max_inflight=2, max_queued=4, slow_consumer_timeout=300,
                        max_outbuf=131072, sys_interval=1)
     requires_edgebroker(b)
-    reader = _Collector(b.port, "held/#", client_id="held-reader")
-    wills = _Collector(b.port, "will/#", client_id="held-willwatch")
+    reader = Collector(b.port, "held/#", client_id="held-reader")
+    wills = Collector(b.port, "will/#", client_id="held-willwatch")
     stuck, probe, filler = _congested(b.port)
     try:
         if interp == "micropython":
@@ -485,7 +432,7 @@ def test_held_publishers_that_leave_do_not_accumulate_in_the_broker(broker_facto
         for k in range(n):
             _give_up(b.port, k, 5, (b"%05d" % k) * (size // 5))
         want = {(b"%05d" % k) * (size // 5) for k in range(n)}
-        reader.wait(lambda got: want <= {p for _, p in got}, 5.0)
+        reader.wait_got(lambda got: want <= {p for _, p in got}, 5.0)
         # (MicroPython's $SYS heap figures are refreshed at most every 5 s)
         time.sleep(max(0.5, 5.5 - (time.monotonic() - t0)) if interp == "micropython" else 0.5)
         m1 = measure()
