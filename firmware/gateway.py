@@ -482,7 +482,14 @@ class Gateway:
         wifi = self.wifi
         if wifi is not None:
             wifi.poll(now)
-            if self.ntp and wifi.up and time.ticks_diff(now, self.ntp_next_ms) >= 0:
+            if self.ntp and time.ticks_diff(now, self.ntp_next_ms) >= 0:
+                if not wifi.up:
+                    # due with Wi-Fi down: kept due at now, so that the
+                    # deadline never falls more than half of ticks_ms'
+                    # period (6.2 days) behind, where ticks_diff reads it as
+                    # ahead and the sync would wait up to 6 days more
+                    self.ntp_next_ms = now
+                    return
                 if sync_clock(self.ntp_host):
                     self.ntp_every_s = NTP_RESYNC_S
                 elif self.ntp_every_s < NTP_RETRY_MAX_S:

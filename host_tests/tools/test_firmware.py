@@ -649,3 +649,47 @@ def test_flash_knows_every_secrets_key_the_firmware_reads():
         "bogus = 1: unknown key (a secrets file has wifi_ssid, wifi_password, ap_password, "
         "users, bridges)",
     ]
+
+
+def test_ntp_due_while_wifi_is_down_for_days_syncs_when_it_is_back():
+    """An NTP sync due while Wi-Fi is down left its deadline (a ticks_ms
+    value) to fall behind; past half of ticks_ms' period (2**29 ms, 6.2 days
+    on a board) ticks_diff reads it as ahead, and the sync waited up to
+    6 days more once Wi-Fi was back (soak audit, from reading). A due sync
+    now stays due at the current tick while Wi-Fi is down. The board's
+    ticks (30 bits, wrapping) are stood in for, a day a tick."""
+    out = mpy_run(
+        "import time as _rt\n"
+        "class T:\n"
+        "    now = 0\n"
+        "    gmtime = _rt.gmtime\n"
+        "    time = _rt.time\n"
+        "    @staticmethod\n"
+        "    def ticks_ms():\n"
+        "        return T.now & 0x3FFFFFFF\n"
+        "    @staticmethod\n"
+        "    def ticks_diff(a, b):\n"
+        "        d = (a - b) & 0x3FFFFFFF\n"
+        "        return d - 0x40000000 if d >= 0x20000000 else d\n"
+        "    @staticmethod\n"
+        "    def ticks_add(a, d):\n"
+        "        return (a + d) & 0x3FFFFFFF\n"
+        "gateway.time = T\n"
+        "class W:\n"
+        "    up = False\n"
+        "    def poll(self, now):\n"
+        "        pass\n"
+        "g = gateway.Gateway({}, None)\n"
+        "g.boot_over = True\n"
+        "g.wifi = W()\n"
+        "g.ntp = True\n"
+        "n = len(fake_ntptime.calls)\n"
+        "for day in range(1, 8):  # due from the start, Wi-Fi down 7 days\n"
+        "    T.now = day * 86400000\n"
+        "    g.tick()\n"
+        "g.wifi.up = True\n"
+        "T.now += 1000\n"
+        "g.tick()\n"
+        "print('RESULT', len(fake_ntptime.calls) - n)\n"
+    )
+    assert "RESULT 1" in out, out
