@@ -2640,6 +2640,17 @@ class Engine:
         (then the acknowledgement waits for the commit)."""
         return self.store.delete(topic) and self.store.durable
 
+    def full(self, old, size):
+        """L2/L4: does storing size bytes for a topic whose stored message
+        is old (None: a new topic) go over max_retained_messages or
+        store_budget_bytes?"""
+        st = self.store
+        budget = self.cfg["store_budget_bytes"]
+        if old is not None:
+            return budget and st.nbytes - msg_size(old) + size > budget
+        cap = self.cfg["max_retained_messages"]
+        return (cap and st.count >= cap) or (budget and st.nbytes + size > budget)
+
     def sweep_full(self):
         """The store is full for a change: expired messages keep their
         places until the tick's sweep (64 entries a second) reaches them, so
@@ -2679,20 +2690,17 @@ class Engine:
             return self.unstore(topic)
         old = store.get(topic)
         size = msg_size(msg)
-        budget = cfg["store_budget_bytes"]
-        if old is None:
-            cap = cfg["max_retained_messages"]
-            if (cap and store.count >= cap) or (budget and store.nbytes + size > budget):
-                if self.sweep_full() < 0:
-                    return False
-            if (cap and store.count >= cap) or (budget and store.nbytes + size > budget):
-                # L2/L4: a new topic is forwarded but not stored
-                self.refuse("retained_full", "%s not stored", topic)
+        if self.full(old, size):
+            n = self.sweep_full()
+            if n < 0 and old is None:
                 return False
-        elif budget and store.nbytes - msg_size(old) + size > budget:
-            if self.sweep_full() < 0 or store.nbytes - msg_size(old) + size > budget:
+            if n > 0:
+                old = store.get(topic)  # it may have been one of the expired
+            if n < 0 or self.full(old, size):
+                # L2/L4: a new topic is forwarded but not stored; a replacement
+                # over the budget is not either, and the older value goes
                 self.refuse("retained_full", "%s not stored", topic)
-                return self.unstore(topic)
+                return False if old is None else self.unstore(topic)
         if msg[_M_EXP] == 0 and cfg["expiry_interval"]:
             # E3: the board's default lifetime for messages without their own
             m = msg

@@ -389,3 +389,24 @@ def _esp32_max_clients(broker_factory, interp, script):
     for c in clients:
         c.disconnect()
     assert b.alive()
+
+
+def test_a_client_repeating_a_protocol_error_costs_a_line_each_and_one_refusal_line(broker_factory):
+    """Soak audit: a protocol error was logged twice (the error, then the
+    disconnect with the same words), and its refusal line came once for the
+    whole uptime. Now: the client's connect line and one disconnect line
+    naming the error, and the refusal's line once a minute at most (the
+    first here, with a real client repeating the error 10 times)."""
+    b = broker_factory()
+    requires_edgebroker(b)
+    for i in range(10):
+        c = raw_connect(b.port, "bad-%d" % i, version=5)
+        c.send(publish_packet("a/#", b"x", version=5))  # a wildcard in a topic name: 0x82
+        assert not c.is_open(3), "still open after a protocol error"
+    assert b.wait_log("bad-9 disconnected by the broker", timeout=5)
+    log = b.log_text()
+    for i in range(10):
+        lines = [ln for ln in log.splitlines() if "client bad-%d" % i in ln]
+        assert len(lines) == 2, lines  # connected, then disconnected by the broker
+        assert "connected from" in lines[0] and "disconnected by the broker" in lines[1]
+    assert log.count("refused (protocol)") == 1, log
